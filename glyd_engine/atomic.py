@@ -1,0 +1,76 @@
+"""Atomic file writes: a file appears complete under its final name, or not at all.
+
+Writes go to a temporary file in the same directory, are fsynced, then renamed. A full disk or a crash
+leaves only a `*.tmp-*` file, which readers never open and `cleanup_stale` removes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+
+class DiskFullError(OSError):
+    """Raised with a clear message when a write runs out of space; nothing is left half-written."""
+
+
+def _explain(path: Path, exc: OSError) -> OSError:
+    import errno
+
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return DiskFullError(exc.errno, f"no space left on the device while writing {path}; "
+                                        "nothing was written. Free some space and try again.")
+    return exc
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """Yield a temporary path next to `path`; on success it is renamed over `path`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    os.close(fd)
+    tmp_path = Path(tmp)
+    try:
+        yield tmp_path
+        with open(tmp_path, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp_path, path)
+    except OSError as exc:
+        tmp_path.unlink(missing_ok=True)
+        raise _explain(path, exc) from exc
+    except BaseException:
+        tmp_path.unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """Yield a temporary directory next to `path`; on success it replaces `path` whole."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        yield tmp
+        if path.exists():
+            old = path.with_name(f".{path.name}.old-{os.getpid()}")
+            os.replace(path, old)
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, path)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise _explain(path, exc) from exc
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -1,0 +1,1 @@
+"""One module per `glyd` subcommand; see glyd_engine.cli."""
