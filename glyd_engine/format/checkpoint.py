@@ -1,0 +1,277 @@
+"""The Glyd checkpoint: a bf16 safetensors model directory with its large tensors packed.
+
+`pack_model` streams tensor by tensor (peak memory: the output buffer plus a few bytes a value of the
+tensor in hand) into a temporary directory renamed into place only when complete. Plain tensors keep
+their bytes and get a crc32 in their file's metadata, so `verify_model` checks every byte it can.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from glyd_engine.atomic import atomic_dir
+from glyd_engine.errors import CorruptFileError, GlydError, MismatchError, UnsupportedModelError
+from glyd_engine.format import FORMAT_VERSION, weights
+from glyd_engine.progress import CancelToken, PhaseTimer, ProgressCallback, no_progress
+
+MIN_PACKED_VALUES = 4096  # smaller tensors (norms, biases) stay plain: their tables would cost more
+SHARD_BYTES = 1 << 30  # an output file is flushed past this many bytes
+INDEX = "model.safetensors.index.json"
+PLAIN_CRC_KEY = "glyd_plain_crc32"
+QUANT_METHOD = "glyd"
+
+_SAFETENSORS_DTYPES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
+                       "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
+
+
+def read_header(path: Path) -> dict[str, dict]:
+    """A safetensors file's header (tensor name -> dtype, shape, data_offsets), read without torch."""
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if n <= 0 or n > 100_000_000:
+                raise ValueError("bad header length")
+            header = json.loads(f.read(n))
+    except (OSError, ValueError) as exc:
+        raise CorruptFileError(f"{path} is not a readable safetensors file ({exc})") from exc
+    header.pop("__metadata__", None)
+    return header
+
+
+def source_files(model_dir: Path) -> list[Path]:
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise GlydError(f"{model_dir} is not a directory")
+    if not (model_dir / "config.json").is_file():
+        raise UnsupportedModelError(f"{model_dir} has no config.json: not a model directory")
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise UnsupportedModelError(f"{model_dir} has no .safetensors files (Glyd reads safetensors only)")
+    return files
+
+
+def is_packable(dtype: str, shape: list[int]) -> bool:
+    return dtype == "BF16" and len(shape) >= 2 and int(np.prod(shape)) >= MIN_PACKED_VALUES
+
+
+def check_source(model_dir: Path) -> dict[str, tuple[Path, dict]]:
+    """Every tensor of a source model, refusing what Glyd cannot pack losslessly."""
+    tensors: dict[str, tuple[Path, dict]] = {}
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    if (config.get("quantization_config") or {}).get("quant_method") == QUANT_METHOD:
+        raise UnsupportedModelError(f"{model_dir} is already a Glyd checkpoint")
+    for path in source_files(model_dir):
+        for name, info in read_header(path).items():
+            if name in tensors:
+                raise UnsupportedModelError(f"tensor name collision: {name} is in both {tensors[name][0].name} "
+                                            f"and {path.name}")
+            if weights.split_part_name(name):
+                raise UnsupportedModelError(f"tensor {name} in {path.name} uses Glyd's reserved suffix "
+                                            f"'{weights.SUFFIX}'; rename it before packing")
+            dtype, shape = info["dtype"], info["shape"]
+            if dtype in ("F32", "F16", "F64") and len(shape) >= 2:
+                raise UnsupportedModelError(
+                    f"{name} is {dtype}: Glyd packs bf16 models only (fp32/fp16 cannot become bf16 without "
+                    "rounding, so it would not be lossless). Use the model's bf16 release.")
+            if int(np.prod(shape)) == 0:
+                raise UnsupportedModelError(f"{name} in {path.name} is empty (shape {shape}); Glyd refuses "
+                                            "empty tensors")
+            tensors[name] = (path, info)
+    return tensors
+
+
+def _plain_crc(t: torch.Tensor) -> int:
+    raw = t.contiguous().view(torch.uint8) if t.dtype != torch.bool else t.to(torch.uint8)
+    return zlib.crc32(raw.numpy().data) & 0xFFFFFFFF
+
+
+@dataclass
+class PackReport:
+    packed_values: int = 0
+    packed_bytes: int = 0
+    plain_bytes: int = 0
+    tensors: list[tuple[str, tuple[int, ...], float]] = field(default_factory=list)  # name, shape, bits
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8 * self.packed_bytes / max(1, self.packed_values)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.packed_bytes + self.plain_bytes
+
+
+class _ShardWriter:
+    def __init__(self, out: Path) -> None:
+        self.out, self.buf, self.crcs, self.size, self.count = out, {}, {}, 0, 0
+        self.weight_map: dict[str, str] = {}
+
+    def add(self, tensors: dict[str, torch.Tensor], plain_crc: dict[str, int] | None = None) -> None:
+        for k, t in tensors.items():
+            self.buf[k] = t
+            self.size += t.numel() * t.element_size()
+        self.crcs.update(plain_crc or {})
+        if self.size >= SHARD_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if not self.buf:
+            return
+        self.count += 1
+        name = f"glyd-{self.count:05d}.safetensors"
+        meta = {"format": "glyd", "format_version": str(FORMAT_VERSION), PLAIN_CRC_KEY: json.dumps(self.crcs)}
+        save_file({k: v.contiguous() for k, v in self.buf.items()}, str(self.out / name), metadata=meta)
+        for k in self.buf:
+            self.weight_map[k] = name
+        self.buf, self.crcs, self.size = {}, {}, 0
+
+
+def pack_model(src: Path, dst: Path, progress: ProgressCallback = no_progress,
+               cancel: CancelToken | None = None, overwrite: bool = False) -> PackReport:
+    from safetensors import safe_open
+
+    src, dst = Path(src), Path(dst)
+    if dst.resolve() == src.resolve():
+        raise GlydError("the destination must differ from the source")
+    if dst.exists() and any(dst.iterdir()) and not overwrite:
+        raise GlydError(f"{dst} exists and is not empty; choose another path or pass --force")
+    tensors = check_source(src)
+    total = sum(int(np.prod(i["shape"])) * _SAFETENSORS_DTYPES.get(i["dtype"], 2) for _, i in tensors.values())
+    report = PackReport()
+    with atomic_dir(dst) as tmp:
+        timer = PhaseTimer("pack", f"packing {src.name}", total, progress, cancel)
+        writer = _ShardWriter(tmp)
+        done = 0
+        for path in source_files(src):
+            with safe_open(str(path), "pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is no dict)
+                    t = f.get_tensor(name)
+                    info = tensors[name][1]
+                    if is_packable(info["dtype"], info["shape"]):
+                        p = weights.encode(t, name)
+                        writer.add(p.parts(name))
+                        report.packed_values += p.numel
+                        report.packed_bytes += p.nbytes
+                        report.tensors.append((name, p.shape, p.bits_per_value))
+                    else:
+                        writer.add({name: t}, {name: _plain_crc(t)})
+                        report.plain_bytes += t.numel() * t.element_size()
+                    done += t.numel() * t.element_size()
+                    timer.update(done, f"packing {name}")
+        writer.flush()
+        (tmp / INDEX).write_text(json.dumps({"metadata": {"format": "glyd"}, "weight_map": writer.weight_map},
+                                            indent=1))
+        config = json.loads((src / "config.json").read_text())
+        config["quantization_config"] = {"quant_method": QUANT_METHOD, "format_version": FORMAT_VERSION,
+                                         "chunk": weights.CHUNK, "min_packed_values": MIN_PACKED_VALUES}
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        for extra in sorted(src.iterdir()):
+            if extra.is_file() and extra.suffix != ".safetensors" and extra.name not in ("config.json", INDEX):
+                shutil.copy2(extra, tmp / extra.name)
+    return report
+
+
+def _iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, str, object]]:
+    """Yield (kind, name, payload) per logical tensor: ('packed', X, PackedTensor) or ('plain', X, (t, crc))."""
+    from safetensors import safe_open
+
+    files = sorted(Path(model_dir).glob("glyd-*.safetensors"))
+    if not files:
+        raise CorruptFileError(f"{model_dir} has no glyd-*.safetensors files: not a Glyd checkpoint")
+    seen: set[str] = set()
+    for path in files:
+        read_header(path)
+        try:
+            with safe_open(str(path), "pt") as f:
+                meta = f.metadata() or {}
+                crcs = json.loads(meta.get(PLAIN_CRC_KEY, "{}"))
+                groups: dict[str, dict[str, torch.Tensor]] = {}
+                for key in f.keys():  # noqa: SIM118
+                    split = weights.split_part_name(key)
+                    if split:
+                        groups.setdefault(split[0], {})[key] = f.get_tensor(key)
+                    else:
+                        if key not in crcs:
+                            raise CorruptFileError(f"{path.name}: plain tensor {key} has no checksum")
+                        seen.add(key)
+                        yield "plain", key, (f.get_tensor(key), int(crcs[key]))
+        except (CorruptFileError, MismatchError):
+            raise
+        except Exception as exc:
+            raise CorruptFileError(f"{path} is damaged ({exc})") from exc
+        for name, parts in groups.items():
+            seen.add(name)
+            yield "packed", name, weights.PackedTensor.from_parts(name, parts)
+
+
+@dataclass
+class VerifyReport(PackReport):
+    checked: int = 0
+    compared: int = 0
+
+
+def verify_model(model_dir: Path, against: Path | None = None, progress: ProgressCallback = no_progress
+                 ) -> VerifyReport:
+    """Decode every tensor and check it (checksums; with `against`, every bit). Raises naming the tensor."""
+    from safetensors import safe_open
+
+    model_dir = Path(model_dir)
+    config = json.loads((model_dir / "config.json").read_text()) if (model_dir / "config.json").exists() else {}
+    qc = config.get("quantization_config") or {}
+    if qc.get("quant_method") != QUANT_METHOD:
+        raise CorruptFileError(f"{model_dir}/config.json does not declare quant_method 'glyd'")
+    if int(qc.get("format_version", -1)) != FORMAT_VERSION:
+        raise CorruptFileError(f"{model_dir} is format version {qc.get('format_version')}; this Glyd reads "
+                               f"version {FORMAT_VERSION}")
+    source = check_source(against) if against is not None else None
+    report = VerifyReport()
+    timer = PhaseTimer("verify", f"verifying {model_dir.name}", len(source) if source else None, progress)
+    names: set[str] = set()
+    for kind, name, payload in _iter_checkpoint(model_dir):
+        if kind == "packed":
+            p = payload
+            try:
+                t = weights.decode(p, name)
+            except ValueError as exc:
+                raise CorruptFileError(f"{name}: cannot be decoded ({exc})") from exc
+            report.packed_values += p.numel
+            report.packed_bytes += p.nbytes
+            report.tensors.append((name, p.shape, p.bits_per_value))
+        else:
+            t, crc = payload
+            if _plain_crc(t) != crc:
+                raise CorruptFileError(f"{name}: stored bytes do not match their checksum (the file is damaged)")
+            report.plain_bytes += t.numel() * t.element_size()
+        report.checked += 1
+        names.add(name)
+        if source is not None:
+            if name not in source:
+                raise MismatchError(f"{name} is in the checkpoint but not in {against}")
+            path, _ = source[name]
+            with safe_open(str(path), "pt") as f:
+                ref = f.get_tensor(name)
+            if ref.dtype != t.dtype or tuple(ref.shape) != tuple(t.shape):
+                raise MismatchError(f"{name}: {t.dtype} {tuple(t.shape)} here, {ref.dtype} {tuple(ref.shape)} "
+                                    "in the source")
+            a, b = t.contiguous().view(torch.uint8), ref.contiguous().view(torch.uint8)
+            if not torch.equal(a, b):
+                n_diff = int((a != b).sum())
+                raise MismatchError(f"{name}: {n_diff} bytes differ from the source")
+            report.compared += 1
+        timer.update(report.checked, f"verified {name}")
+    if source is not None:
+        missing = sorted(set(source) - names)
+        if missing:
+            raise MismatchError(f"missing from the checkpoint: {', '.join(missing[:10])}"
+                                + (f" and {len(missing) - 10} more" if len(missing) > 10 else ""))
+    return report

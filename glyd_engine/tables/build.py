@@ -1,0 +1,141 @@
+"""The table build: calibration text through the model, exponent statistics, tables on disk.
+
+Runs once per model (keyed by its fingerprint) and is reused by every later start. A file lock keeps
+two engines starting at once from building twice or reading a half-written file; a damaged file is
+detected by its checksum and rebuilt.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import math
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from glyd_engine import paths
+from glyd_engine.errors import CorruptFileError
+from glyd_engine.format import bf16
+from glyd_engine.format.kv_page import TABLE_SIZE
+from glyd_engine.model_shape import AttentionShape
+from glyd_engine.progress import CancelToken, PhaseTimer, ProgressCallback, no_progress
+from glyd_engine.tables.kv_tables import KVTables
+
+log = logging.getLogger("glyd.tables")
+
+JOB = "kv-tables"
+SEQ_LEN = 512  # tokens a forward pass; positions still span the whole window (see capture.py)
+TOKENS = 24 * 1024  # calibration tokens a build reads by default
+RESERVE_MARGIN = 1.3  # escape reserve over the worst head's mean escapes a token
+
+
+def tables_path(fingerprint: str) -> Path:
+    return paths.kv_tables_dir() / f"{fingerprint}.safetensors"
+
+
+def calibration_ids(tokenizer, seq_len: int, budget: int) -> list[torch.Tensor]:  # noqa: ANN001
+    """Runs of `seq_len` tokens from the calibration corpus, taken round-robin across its texts."""
+    from glyd_engine.corpus import calibration_texts
+
+    per_text = []
+    for text in calibration_texts():
+        ids = torch.tensor(tokenizer(text.text, add_special_tokens=False)["input_ids"], dtype=torch.int64)
+        per_text.append([ids[i : i + seq_len] for i in range(0, ids.numel() - seq_len + 1, seq_len)])
+    runs: list[torch.Tensor] = []
+    while len(runs) * seq_len < budget and any(per_text):
+        for pieces in per_text:
+            if pieces and len(runs) * seq_len < budget:
+                runs.append(pieces.pop(0))
+    if not runs:
+        raise RuntimeError("the calibration corpus is empty or shorter than one run")
+    return runs
+
+
+def counts_to_tables(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """[L, 2, H, D, 256] exponent counts -> decode tables, per-channel entropy, escape reserve (K, V)."""
+    top = torch.topk(counts, TABLE_SIZE, dim=-1)
+    decode = top.indices.to(torch.uint8)
+    c = counts.to(torch.float64)
+    total = c.sum(-1, keepdim=True).clamp(min=1)
+    p = c / total
+    floor = -(torch.where(p > 0, p * torch.log2(p), torch.zeros_like(p))).sum(-1).to(torch.float32)
+    miss = 1.0 - top.values.to(torch.float64).sum(-1) / total.squeeze(-1)  # [L, 2, H, D]
+    per_token = miss.sum(-1)  # mean escapes a token, per layer, K/V, head
+    reserve = [max(1, math.ceil(RESERVE_MARGIN * float(per_token[:, kv].max()))) for kv in (0, 1)]
+    return decode, floor, reserve
+
+
+def build_tables(model_dir: Path, window: int | None = None, tokens: int = TOKENS, seq_len: int = SEQ_LEN,
+                 progress: ProgressCallback = no_progress, cancel: CancelToken | None = None) -> KVTables:
+    """Build (not cache) the tables for a bf16 model directory."""
+    from glyd_engine.models import model_fingerprint
+    from glyd_engine.tables import capture
+
+    start = time.monotonic()
+    shape = AttentionShape.from_model_dir(model_dir)
+    window = min(window or shape.max_positions, shape.max_positions)
+    seq_len = min(seq_len, window)
+    fingerprint = model_fingerprint(model_dir)
+    timer = PhaseTimer(JOB, "loading the model", None, progress, cancel)
+    model = capture.load_model(model_dir)
+    tokenizer = capture.load_tokenizer(model_dir)
+    runs = calibration_ids(tokenizer, seq_len, tokens)
+    L, H, D = shape.num_layers, shape.num_kv_heads, shape.head_size
+    counts = torch.zeros(L, 2, H, D, 256, dtype=torch.int64)
+    chan = (torch.arange(H).view(H, 1, 1) * D + torch.arange(D).view(1, 1, D)) * 256
+
+    def collect(layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        for kv, x in ((0, key), (1, value)):
+            e, _ = bf16.split(x)  # [H, T, D]
+            idx = (chan + e.to(torch.int64)).reshape(-1)
+            counts[layer, kv] += torch.bincount(idx, minlength=H * D * 256).view(H, D, 256)
+
+    timer = PhaseTimer(JOB, f"calibrating over a {window:,}-token window", len(runs), progress, cancel)
+    span = max(0, window - seq_len)
+    with capture.capturing(collect):
+        for i, ids in enumerate(runs):
+            offset = round(i * span / max(1, len(runs) - 1))
+            capture.run(model, ids, offset)
+            timer.update(i + 1)
+    del model
+    decode, floor, reserve = counts_to_tables(counts)
+    tables = KVTables(decode, floor, reserve[0], reserve[1], fingerprint, window,
+                      sum(r.numel() for r in runs), time.monotonic() - start)
+    log.info("KV tables for %s built in %.1f s: %s", model_dir, tables.build_seconds, tables.describe())
+    return tables
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def ensure_tables(model_dir: Path, window: int | None = None, progress: ProgressCallback = no_progress,
+                  cancel: CancelToken | None = None, rebuild: bool = False) -> KVTables:
+    """The model's tables from the cache, built first if missing, damaged, or for a shorter window."""
+    from glyd_engine.models import model_fingerprint
+
+    fingerprint = model_fingerprint(model_dir)
+    path = tables_path(fingerprint)
+    with _locked(path):
+        if path.exists() and not rebuild:
+            try:
+                tables = KVTables.load(path, fingerprint)
+                if window is None or tables.window >= window:
+                    return tables
+                log.info("KV tables at %s cover %d positions; rebuilding for %d", path, tables.window, window)
+            except CorruptFileError as exc:
+                log.warning("%s; rebuilding", exc)
+        tables = build_tables(model_dir, window, progress=progress, cancel=cancel)
+        tables.save(path)
+        return tables

@@ -1,0 +1,65 @@
+"""Run a model with transformers on the CPU and hand each layer's post-RoPE K and V to a callback.
+
+The capture is an attention function registered with transformers' AttentionInterface: it sees K/V
+exactly as the model attends over them (after RoPE, before GQA repetition), then runs SDPA. Position
+offsets let a short run sit anywhere in the window, so a table build covers every position of a long
+window without paying for long sequences.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+KVCallback = Callable[[int, torch.Tensor, torch.Tensor], None]  # (layer, key [H,T,D], value [H,T,D])
+
+_NAME = "glyd_capture"
+_active: list[KVCallback] = []
+
+
+def _capture_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if _active:
+        layer = int(getattr(module, "layer_idx", 0))
+        for b in range(key.shape[0]):
+            _active[-1](layer, key[b], value[b])
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def load_model(model_dir: Path) -> Any:
+    """The model in bf16 on the CPU, attending through the capture function."""
+    from transformers import AttentionInterface, AutoModelForCausalLM
+
+    AttentionInterface.register(_NAME, _capture_attention)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16,
+                                                 attn_implementation=_NAME)
+    model.eval()
+    return model
+
+
+def load_tokenizer(model_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+@contextlib.contextmanager
+def capturing(callback: KVCallback) -> Iterator[None]:
+    _active.append(callback)
+    try:
+        yield
+    finally:
+        _active.pop()
+
+
+@torch.inference_mode()
+def run(model: Any, ids: torch.Tensor, position_offset: int = 0) -> None:
+    """One forward pass over token ids [T] at positions offset..offset+T-1 (K/V go to the callback)."""
+    positions = torch.arange(position_offset, position_offset + ids.numel()).unsqueeze(0)
+    model(input_ids=ids.unsqueeze(0), position_ids=positions, use_cache=False)
