@@ -65,10 +65,11 @@ def is_packable(dtype: str, shape: list[int]) -> bool:
 def check_source(model_dir: Path) -> dict[str, tuple[Path, dict]]:
     """Every tensor of a source model, refusing what Glyd cannot pack losslessly."""
     tensors: dict[str, tuple[Path, dict]] = {}
+    files = source_files(model_dir)
     config = json.loads((Path(model_dir) / "config.json").read_text())
     if (config.get("quantization_config") or {}).get("quant_method") == QUANT_METHOD:
         raise UnsupportedModelError(f"{model_dir} is already a Glyd checkpoint")
-    for path in source_files(model_dir):
+    for path in files:
         for name, info in read_header(path).items():
             if name in tensors:
                 raise UnsupportedModelError(f"tensor name collision: {name} is in both {tensors[name][0].name} "

@@ -1,0 +1,1 @@
+"""Benchmarks behind `glyd bench`: each returns a dict of figures (printed as JSON by the CLI)."""

@@ -1,0 +1,13 @@
+"""The shipped text corpus: both splits present, every kind covered, no text in both."""
+
+from glyd_engine.corpus import KINDS, calibration_texts, heldout_texts
+
+
+def test_splits_cover_every_kind_and_never_overlap():
+    cal, held = calibration_texts(), heldout_texts()
+    assert {t.kind for t in cal} == set(KINDS)
+    assert len({t.language for t in cal if t.kind == "multilingual"}) >= 4
+    assert all(len(t.text) > 1000 for t in cal + held)
+    cal_lines = {ln.strip() for t in cal for ln in t.text.splitlines() if len(ln.strip()) > 60}
+    held_lines = {ln.strip() for t in held for ln in t.text.splitlines() if len(ln.strip()) > 60}
+    assert not cal_lines & held_lines
