@@ -8,6 +8,9 @@ def test_splits_cover_every_kind_and_never_overlap():
     assert {t.kind for t in cal} == set(KINDS)
     assert len({t.language for t in cal if t.kind == "multilingual"}) >= 4
     assert all(len(t.text) > 1000 for t in cal + held)
-    cal_lines = {ln.strip() for t in cal for ln in t.text.splitlines() if len(ln.strip()) > 60 and any(ch.isalpha() for ch in ln)}
-    held_lines = {ln.strip() for t in held for ln in t.text.splitlines() if len(ln.strip()) > 60 and any(ch.isalpha() for ch in ln)}
+    def lines(texts):
+        return {ln.strip() for t in texts for ln in t.text.splitlines()
+                if len(ln.strip()) > 60 and any(ch.isalpha() for ch in ln)}
+
+    cal_lines, held_lines = lines(cal), lines(held)
     assert not cal_lines & held_lines

@@ -89,6 +89,11 @@ def head_floor(x: torch.Tensor) -> float:
     return sum(bf16.entropy_bits(bf16.exponent_histogram(e[:, h])) for h in range(x.shape[1])) / x.shape[1]
 
 
+def _tokens(pages: torch.Tensor, n: int) -> torch.Tensor:
+    """[N, H, B, D] pages in block order -> the first n tokens, [n, H, D]."""
+    return pages.permute(0, 2, 1, 3).reshape(-1, pages.shape[1], pages.shape[3])[:n]
+
+
 def bench_kv(tables: KVTables, keys: dict[int, torch.Tensor], vals: dict[int, torch.Tensor],
              block_size: int, progress: ProgressCallback = no_progress) -> dict[str, object]:
     lay = tables.layout(block_size)
@@ -110,15 +115,13 @@ def bench_kv(tables: KVTables, keys: dict[int, torch.Tensor], vals: dict[int, to
         t0 = time.perf_counter()
         codec.write(cache, ovf, k, v, slots)
         t1 = time.perf_counter()
-        rk, rv = codec.read(cache, ovf, blocks)
+        rk, rv = codec.read(cache, ovf, blocks)  # blocks in token order
         t2 = time.perf_counter()
         enc_s, dec_s = enc_s + t1 - t0, dec_s + t2 - t1
-        H, D = k.shape[1], k.shape[2]
-        flat = lambda x: x.permute(0, 2, 1, 3).reshape(-1, H, D)[:n_tok]  # noqa: E731
-        exact &= torch.equal(flat(rk).view(torch.int16), k.view(torch.int16))
-        exact &= torch.equal(flat(rv).view(torch.int16), v.view(torch.int16))
-        for kv in (0, 1):
-            overflow_bytes[kv] += int((ovf.ptr[..., kv] >= 0).sum()) * ovf.chunk_bytes
+        exact &= torch.equal(_tokens(rk, n_tok).view(torch.int16), k.view(torch.int16))
+        exact &= torch.equal(_tokens(rv, n_tok).view(torch.int16), v.view(torch.int16))
+        for kv in (0, 1):  # the runs held plus the 4-byte pointer of every page
+            overflow_bytes[kv] += ovf.bytes_held_kv(kv) + 4 * ovf.ptr[..., kv].numel()
         values += k.numel()
         escapes += codec.stats.escapes
         overflow += codec.stats.overflow

@@ -5,7 +5,7 @@ D/8 bytes) and E bytes of escape reserve. Code c < 7 means "the c-th exponent of
 7 means "escape": the exponent is stored whole, in the page's escape area, in (token, channel) order, so
 the j-th escape of a page is byte j of that area. The reserve is pooled over the page (B tokens x E
 bytes), which absorbs the rare token with many escapes. Escapes beyond the reserve go to the block's
-overflow chunk (`OverflowStore`), outside the page: the defined lossless path for rare prompts.
+overflow run (`OverflowStore`), outside the page: the defined lossless path for rare prompts.
 
 Layout of one page (one block, one KV head), B = block size, D = head size, sections in this order:
   k_sm  [B, D]        v_sm  [B, D]
@@ -112,63 +112,97 @@ def _unpack_codes(planes: torch.Tensor) -> torch.Tensor:
     return codes.reshape(*planes.shape[:-2], planes.shape[-1] * 8)
 
 
+OVERFLOW_MIN_RUN = 16  # bytes: the smallest overflow run; runs double as a page's overflow grows
+
+
 @dataclass
 class OverflowStore:
-    """Escapes past a page's reserve, one chunk per (block, head, K/V), owned by the block id.
+    """Escapes past a page's reserve: one run of bytes per (block, head, K/V) in a shared arena.
 
-    A chunk is taken when a page first overflows and given back when the block is rewritten from offset
-    0. The pool starts with `initial_chunks` and grows when it runs out: rare prompts cost memory outside
-    the pages, never data. `grows` counts those events so the engine can log them.
+    `ptr[block, head, kv]` is an int32: -1 (no run) or `(offset // 16) << 4 | log2(capacity // 16)`, 4 bytes
+    a page and K/V. Escape j >= reserve of a page is arena byte `offset + j - reserve`. A run is taken when
+    a page first overflows, moved to a run twice the size when it fills, and given back when its block is
+    rewritten from offset 0 (runs belong to the block id, as vLLM's pages do). The arena grows when no
+    free run fits: rare prompts cost memory outside the pages, never data. `grows` counts those events.
     """
 
     num_blocks: int
     num_heads: int
-    chunk_bytes: int
-    initial_chunks: int = 0
+    initial_bytes: int = 0
     ptr: torch.Tensor = field(init=False)
-    pool: torch.Tensor = field(init=False)
-    free: list[int] = field(init=False)
+    arena: torch.Tensor = field(init=False)
+    free: dict[int, list[int]] = field(init=False)
     grows: int = 0
     values_written: int = 0
 
     def __post_init__(self) -> None:
         self.ptr = torch.full((self.num_blocks, self.num_heads, 2), -1, dtype=torch.int32)
-        self.pool = torch.zeros(self.initial_chunks, self.chunk_bytes, dtype=torch.uint8)
-        self.free = list(range(self.initial_chunks - 1, -1, -1))
+        self.arena = torch.zeros(self.initial_bytes, dtype=torch.uint8)
+        self.free = {}
+        self._top = 0
+
+    @staticmethod
+    def unpack(ptr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(offset, capacity) in bytes, int64; capacity 0 where there is no run."""
+        p = ptr.to(torch.int64)
+        has = p >= 0
+        offset = torch.where(has, (p >> 4) * OVERFLOW_MIN_RUN, torch.full_like(p, -1))
+        capacity = torch.where(has, OVERFLOW_MIN_RUN << (p & 15), torch.zeros_like(p))
+        return offset, capacity
 
     @property
-    def chunks_in_use(self) -> int:
-        return int((self.ptr >= 0).sum())
+    def bytes_held(self) -> int:
+        """Arena bytes owned by pages now (what overflow costs), runs rounded up to powers of 2."""
+        return int(self.unpack(self.ptr)[1].sum())
+
+    def bytes_held_kv(self, kv: int) -> int:
+        return int(self.unpack(self.ptr[..., kv])[1].sum())
 
     @property
     def nbytes(self) -> int:
-        return self.pool.numel() + self.ptr.numel() * 4
+        """The pointer table plus the arena."""
+        return 4 * self.ptr.numel() + self.arena.numel()
+
+    @property
+    def runs_in_use(self) -> int:
+        return int((self.ptr >= 0).sum())
 
     def release(self, blocks: torch.Tensor) -> None:
-        """Give back every chunk of these blocks (they are being rewritten from offset 0)."""
-        held = self.ptr[blocks]
-        for idx in held[held >= 0].tolist():
-            self.free.append(int(idx))
+        """Give back every run of these blocks (they are being rewritten from offset 0)."""
+        offset, capacity = self.unpack(self.ptr[blocks])
+        held = offset >= 0
+        for off, cap in zip(offset[held].tolist(), capacity[held].tolist(), strict=True):
+            self.free.setdefault(int(cap), []).append(int(off))
         self.ptr[blocks] = -1
 
-    def chunks_for(self, blocks: torch.Tensor, heads: torch.Tensor, kv: int) -> torch.Tensor:
-        """Chunk index of each (block, head), allocating where there is none."""
-        cur = self.ptr[blocks, heads, kv]
-        need = (cur < 0).nonzero().flatten()
-        for i in need.tolist():
-            b, h = int(blocks[i]), int(heads[i])
-            if self.ptr[b, h, kv] < 0:
-                self.ptr[b, h, kv] = self._take()
-        return self.ptr[blocks, heads, kv].to(torch.int64)
+    def reserve_bytes(self, blocks: torch.Tensor, heads: torch.Tensor, kv: int, need: torch.Tensor) -> torch.Tensor:
+        """Make each (block, head) hold at least `need` bytes; returns their offsets (int64)."""
+        _, capacity = self.unpack(self.ptr[blocks, heads, kv])
+        short = (capacity < need).nonzero().flatten()
+        short = short[torch.argsort(need[short], descending=True)]  # largest first: one move per page
+        for i in short.tolist():
+            b, h, n = int(blocks[i]), int(heads[i]), int(need[i])
+            old_off, cap = (int(x) for x in self.unpack(self.ptr[b, h, kv]))
+            if cap >= n:  # the page appeared earlier in this batch with a larger need
+                continue
+            size = max(OVERFLOW_MIN_RUN, 1 << (n - 1).bit_length())
+            new = self._take(size)
+            if cap:
+                self.arena[new : new + cap] = self.arena[old_off : old_off + cap]
+                self.free.setdefault(cap, []).append(old_off)
+            self.ptr[b, h, kv] = (new // OVERFLOW_MIN_RUN) << 4 | (size // OVERFLOW_MIN_RUN).bit_length() - 1
+        return self.unpack(self.ptr[blocks, heads, kv])[0]
 
-    def _take(self) -> int:
-        if not self.free:
-            old = self.pool.shape[0]
-            grow = max(16, old)
-            self.pool = torch.cat([self.pool, torch.zeros(grow, self.chunk_bytes, dtype=torch.uint8)])
-            self.free = list(range(old + grow - 1, old - 1, -1))
+    def _take(self, size: int) -> int:
+        runs = self.free.get(size)
+        if runs:
+            return runs.pop()
+        if self._top + size > self.arena.numel():
+            grow = max(self._top + size - self.arena.numel(), self.arena.numel(), 4096)
+            self.arena = torch.cat([self.arena, torch.zeros(grow, dtype=torch.uint8)])
             self.grows += 1
-        return self.free.pop()
+        self._top += size
+        return self._top - size
 
 
 @dataclass
@@ -199,8 +233,7 @@ class KVPageCodec:
         return torch.zeros(num_blocks, self.num_heads, self.layout.page_bytes, dtype=torch.uint8)
 
     def new_overflow(self, num_blocks: int) -> OverflowStore:
-        lay = self.layout
-        return OverflowStore(num_blocks, self.num_heads, lay.block_size * lay.head_size)
+        return OverflowStore(num_blocks, self.num_heads)
 
     # -- write -------------------------------------------------------------------------------------
     def write(self, cache: torch.Tensor, overflow: OverflowStore, key: torch.Tensor, value: torch.Tensor,
@@ -253,7 +286,7 @@ class KVPageCodec:
             cb = lay.code_bytes
             cache[tok_idx, head_idx, co + off.view(-1, 1, 1) * cb + torch.arange(cb)] = (
                 _pack_codes(codes).reshape(-1, H, cb))
-            # Escapes: in the page up to its reserve, the rest in the block's overflow chunk.
+            # Escapes: in the page up to its reserve, the rest in the block's overflow run.
             t_i, h_i, d_i = flags.nonzero(as_tuple=True)
             self.stats.values += codes.numel()
             if t_i.numel() == 0:
@@ -267,8 +300,9 @@ class KVPageCodec:
             self.stats.escapes += int(t_i.numel())
             out = ~inside
             if bool(out.any()):
-                chunks = overflow.chunks_for(blk[t_i[out]], h_i[out], kv)
-                overflow.pool[chunks, r[out] - res] = e[out]
+                ob, oh, orank = blk[t_i[out]], h_i[out], r[out] - res
+                offsets = overflow.reserve_bytes(ob, oh, kv, orank + 1)
+                overflow.arena[offsets + orank] = e[out]
                 overflow.values_written += int(out.sum())
                 self.stats.overflow += int(out.sum())
 
@@ -302,10 +336,12 @@ class KVPageCodec:
             past = flags & (rank >= res)
             if bool(past.any()):
                 n_i, h_i, v_i = past.nonzero(as_tuple=True)
-                ptr = overflow.ptr[blocks[n_i], h_i, kv].to(torch.int64)
-                ok = ptr >= 0  # rows past the fill may point nowhere: they are garbage anyway
+                idx = rank[n_i, h_i, v_i] - res
+                base, cap = overflow.unpack(overflow.ptr[blocks[n_i], h_i, kv])
+                # Rows past a page's fill may point past its run or nowhere: they are garbage anyway.
+                ok = (base >= 0) & (idx < cap)
                 vals = torch.zeros(n_i.numel(), dtype=torch.uint8)
-                vals[ok] = overflow.pool[ptr[ok], rank[n_i, h_i, v_i][ok] - res]
+                vals[ok] = overflow.arena[base[ok] + idx[ok]]
                 flat_exp[n_i, h_i, v_i] = vals.to(flat_exp.dtype)
             out.append(bf16.join(flat_exp.reshape(n, H, B, D), sm))
         return out[0], out[1]

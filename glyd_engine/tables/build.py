@@ -30,7 +30,7 @@ log = logging.getLogger("glyd.tables")
 JOB = "kv-tables"
 SEQ_LEN = 512  # tokens a forward pass; positions still span the whole window (see capture.py)
 TOKENS = 24 * 1024  # calibration tokens a build reads by default
-RESERVE_MARGIN = 1.3  # escape reserve over the worst head's mean escapes a token
+RESERVE_MARGIN = 1.0  # escape bytes reserved a token = ceil(margin x mean escapes a token); see docs
 
 
 def tables_path(fingerprint: str) -> Path:
@@ -65,7 +65,7 @@ def counts_to_tables(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
     floor = -(torch.where(p > 0, p * torch.log2(p), torch.zeros_like(p))).sum(-1).to(torch.float32)
     miss = 1.0 - top.values.to(torch.float64).sum(-1) / total.squeeze(-1)  # [L, 2, H, D]
     per_token = miss.sum(-1)  # mean escapes a token, per layer, K/V, head
-    reserve = [max(1, math.ceil(RESERVE_MARGIN * float(per_token[:, kv].max()))) for kv in (0, 1)]
+    reserve = [max(1, math.ceil(RESERVE_MARGIN * float(per_token[:, kv].mean()))) for kv in (0, 1)]
     return decode, floor, reserve
 
 
@@ -80,8 +80,8 @@ def build_tables(model_dir: Path, window: int | None = None, tokens: int = TOKEN
     window = min(window or shape.max_positions, shape.max_positions)
     seq_len = min(seq_len, window)
     fingerprint = model_fingerprint(model_dir)
-    timer = PhaseTimer(JOB, "loading the model", None, progress, cancel)
-    model = capture.load_model(model_dir)
+    PhaseTimer(JOB, "loading the model", None, progress, cancel)
+    model = capture.load_model(model_dir, torch.float32)
     tokenizer = capture.load_tokenizer(model_dir)
     runs = calibration_ids(tokenizer, seq_len, tokens)
     L, H, D = shape.num_layers, shape.num_kv_heads, shape.head_size

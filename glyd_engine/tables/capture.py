@@ -27,17 +27,23 @@ def _capture_attention(module: Any, query: torch.Tensor, key: torch.Tensor, valu
 
     if _active:
         layer = int(getattr(module, "layer_idx", 0))
-        for b in range(key.shape[0]):
-            _active[-1](layer, key[b], value[b])
+        k, v = key.to(torch.bfloat16), value.to(torch.bfloat16)
+        for b in range(k.shape[0]):
+            _active[-1](layer, k[b], v[b])
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
-def load_model(model_dir: Path) -> Any:
-    """The model in bf16 on the CPU, attending through the capture function."""
+def load_model(model_dir: Path, dtype: torch.dtype = torch.bfloat16) -> Any:
+    """The model on the CPU, attending through the capture function.
+
+    K/V reach callbacks as bf16 whatever `dtype` is. The table build runs in float32, several times
+    faster than bf16 on CPUs without bf16 matrix units; its exponent statistics match bf16's but for
+    values at rounding edges, and only the compression ratio, never exactness, depends on them.
+    """
     from transformers import AttentionInterface, AutoModelForCausalLM
 
     AttentionInterface.register(_NAME, _capture_attention)
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16,
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype,
                                                  attn_implementation=_NAME)
     model.eval()
     return model

@@ -99,7 +99,7 @@ class KVTables:
         except FileNotFoundError:
             raise
         except Exception as exc:  # safetensors raises several types for damaged files
-            raise CorruptFileError(f"KV tables {path} are unreadable ({exc}); delete the file to rebuild it")
+            raise CorruptFileError(f"KV tables {path} are unreadable ({exc}); delete the file to rebuild it") from exc
         if meta.get("format") != "glyd-kv-tables" or meta.get("format_version") != str(FORMAT_VERSION):
             raise CorruptFileError(f"{path} is not a version-{FORMAT_VERSION} Glyd KV tables file")
         try:

