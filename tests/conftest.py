@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 TEST_HOME = Path(__file__).resolve().parent.parent / ".cache" / "test-home"
+# Every test (and every engine process a test starts) keeps its files here, never in the user's dirs;
+# the demo model and its KV tables built once are reused by later runs.
+os.environ["GLYD_HOME"] = str(TEST_HOME)
 
 
 @pytest.fixture(scope="session")

@@ -121,7 +121,7 @@ def _locked(path: Path) -> Iterator[None]:
 
 
 def ensure_tables(model_dir: Path, window: int | None = None, progress: ProgressCallback = no_progress,
-                  cancel: CancelToken | None = None, rebuild: bool = False) -> KVTables:
+                  cancel: CancelToken | None = None, rebuild: bool = False, tokens: int = TOKENS) -> KVTables:
     """The model's tables from the cache, built first if missing, damaged, or for a shorter window."""
     from glyd_engine.models import model_fingerprint
 
@@ -136,6 +136,6 @@ def ensure_tables(model_dir: Path, window: int | None = None, progress: Progress
                 log.info("KV tables at %s cover %d positions; rebuilding for %d", path, tables.window, window)
             except CorruptFileError as exc:
                 log.warning("%s; rebuilding", exc)
-        tables = build_tables(model_dir, window, progress=progress, cancel=cancel)
+        tables = build_tables(model_dir, window, tokens, progress=progress, cancel=cancel)
         tables.save(path)
         return tables
