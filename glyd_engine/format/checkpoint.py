@@ -33,15 +33,10 @@ _SAFETENSORS_DTYPES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32":
 
 
 def read_header(path: Path) -> dict[str, dict]:
-    """A safetensors file's header (tensor name -> dtype, shape, data_offsets), read without torch."""
-    try:
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            if n <= 0 or n > 100_000_000:
-                raise ValueError("bad header length")
-            header = json.loads(f.read(n))
-    except (OSError, ValueError) as exc:
-        raise CorruptFileError(f"{path} is not a readable safetensors file ({exc})") from exc
+    """A safetensors file's tensor entries (name -> dtype, shape, data_offsets), read without torch."""
+    from glyd_engine.models import read_safetensors_header
+
+    header, _ = read_safetensors_header(path)
     header.pop("__metadata__", None)
     return header
 

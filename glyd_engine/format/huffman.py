@@ -138,11 +138,13 @@ def encode(symbols: torch.Tensor, lengths: torch.Tensor, chunk: int,
 
 
 def decode(words: torch.Tensor, offsets: torch.Tensor, lengths: torch.Tensor, n: int, chunk: int,
-           lanes: int = 1 << 16) -> torch.Tensor:
+           lanes: int = 1 << 14) -> torch.Tensor:
     """Inverse of `encode`: uint8[n]. `lanes` chunks decode together (bounded memory)."""
     table = decode_table(lengths).to(torch.int64)
     w64 = words.to(torch.int64) & 0xFFFFFFFF
-    last = w64.numel() - 1
+    # pair[i] = words i and i+1 as one 64-bit window: one gather a step instead of two.
+    pair = (w64 << 32) | torch.cat([w64[1:], torch.zeros(1, dtype=torch.int64)])
+    last = pair.numel() - 1
     n_chunks = offsets.numel() - 1
     if n_chunks != (n + chunk - 1) // chunk:
         raise ValueError("offsets do not match the value count")
@@ -150,13 +152,12 @@ def decode(words: torch.Tensor, offsets: torch.Tensor, lengths: torch.Tensor, n:
     mask = (1 << MAX_CODE_LEN) - 1
     for c0 in range(0, n_chunks, lanes):
         pos = offsets[c0 : min(n_chunks, c0 + lanes)].to(torch.int64).clone()
-        block = torch.empty(pos.numel(), chunk, dtype=torch.uint8)
-        for step in range(chunk):
-            w = torch.clamp(pos >> 5, max=last)
-            window = (w64[w] << 32) | w64[torch.clamp(w + 1, max=last)]
-            idx = (window >> (64 - MAX_CODE_LEN - (pos & 31))) & mask
-            entry = table[idx]
-            block[:, step] = (entry & 0xFF).to(torch.uint8)
+        steps = []
+        for _ in range(chunk):
+            window = pair[torch.clamp(pos >> 5, max=last)]
+            entry = table[(window >> (64 - MAX_CODE_LEN - (pos & 31))) & mask]
+            steps.append(entry)
             pos += entry >> 8
+        block = (torch.stack(steps, dim=1) & 0xFF).to(torch.uint8)
         out[c0 * chunk : c0 * chunk + block.numel()] = block.reshape(-1)
     return out[:n]
