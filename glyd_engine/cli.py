@@ -20,6 +20,9 @@ COMMANDS: dict[str, str] = {
     "verify": "pack",
     "kv": "kv",
     "bench": "bench",
+    "run": "run",
+    "doctor": "doctor",
+    "paths": "paths",
 }
 
 

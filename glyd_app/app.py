@@ -1,0 +1,512 @@
+"""The glyd-chat App: owns the store and the engine client, routes engine events, holds the actions.
+
+Thin on purpose: drawing is in screens/ and widgets/, conversations in store.py, the engine in a
+child process behind `glyd_engine.engine.EngineClient`. Blocking work (spawning or shutting down the
+child, installing the engine) runs in named thread workers; their results come back as messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from textual import work
+from textual.app import App
+from textual.binding import Binding
+from textual.clock import Clock
+from textual.screen import Screen
+from textual.worker import Worker, WorkerState
+
+from glyd_app.commands import GlydCommands
+from glyd_app.config import keymap_path, load_keymap
+from glyd_app.engine_link import EngineEvent, EngineFactory, default_factory, make_client
+from glyd_app.screens.chat import ChatScreen
+from glyd_app.screens.start import StartScreen
+from glyd_app.store import Store
+from glyd_app.widgets.stats_bar import StatsBar
+from glyd_engine.engine.client import EngineLike
+from glyd_engine.engine.protocol import (
+    Delta,
+    EngineSettings,
+    Error,
+    Finished,
+    GenerationParams,
+    Progress,
+    Ready,
+    Stats,
+    Stopped,
+)
+from glyd_engine.progress import ProgressEvent
+
+if TYPE_CHECKING:
+    from glyd_app.screens.chats import ChatsChanged
+    from glyd_app.screens.settings import ChatSettings
+
+# Screens other than the chat and start screens are imported when first opened: the first frame
+# only pays for what it draws.
+
+
+class GlydApp(App[None]):
+    TITLE = "glyd-chat"
+    COMMANDS = App.COMMANDS | {GlydCommands}
+    BINDINGS = [
+        Binding("f1", "help", "Help", id="glyd.help"),
+        Binding("f2", "models", "Model", id="glyd.models"),
+        Binding("f3,ctrl+o", "chats", "Chats", id="glyd.chats"),
+        Binding("f4", "chat_settings", "Settings", id="glyd.chat_settings"),
+        Binding("ctrl+n", "new_chat", "New chat", id="glyd.new_chat"),
+        Binding("ctrl+s", "export", "Export", id="glyd.export", show=False),
+        Binding("ctrl+r", "restart_engine", "Restart engine", id="glyd.restart", show=False),
+        Binding("ctrl+q", "quit", "Quit", id="glyd.quit", priority=True),
+    ]
+
+    def __init__(
+        self,
+        model: str = "demo",
+        settings: EngineSettings | None = None,
+        engine_factory: EngineFactory = default_factory,
+        store: Store | None = None,
+        export_dir: Path | None = None,
+        chat_id: int | None = None,
+        install_if_missing: bool = True,
+    ) -> None:
+        super().__init__()
+        self.model_spec = model
+        self.settings = settings or EngineSettings()
+        self.engine_factory = engine_factory
+        self._store = store
+        self.export_dir = export_dir or Path.cwd()
+        self.open_chat_id = chat_id
+        self.install_if_missing = install_if_missing
+        self.engine: EngineLike | None = None
+        self.generation = 0
+        self.engine_state = "stopped"  # stopped | starting | ready | failed | stopping
+        self.ready_info: Ready | None = None
+        self.last_error: Error | None = None
+        self.start_screen: StartScreen | None = None
+        self.chat_screen = ChatScreen()
+        self._engine_lock = threading.Lock()
+        self.progress_clock: Clock | None = None  # tests: a MockClock for deterministic ETAs
+
+    # ------------------------------------------------------------------ set-up
+
+    @property
+    def store(self) -> Store:
+        if self._store is None:
+            self._store = Store()
+        return self._store
+
+    def get_default_screen(self) -> Screen:
+        return self.chat_screen
+
+    def on_mount(self) -> None:
+        keymap, error = load_keymap()
+        if keymap:
+            self.set_keymap(keymap)
+        if error:
+            self.notify(f"Key map not loaded: {error}", severity="error")
+
+    async def chat_screen_mounted(self) -> None:
+        """Open the last (or asked-for) chat and start the engine, once the chat screen exists."""
+        chat = None
+        wanted = self.open_chat_id
+        if wanted is None:
+            last = self.store.get_state("last_chat")
+            wanted = int(last) if last and last.isdigit() else None
+        if wanted is not None:
+            chat = next((c for c in self.store.chats() if c.id == wanted), None)
+        if chat is None:
+            chat = self.store.new_chat(model=self.model_spec)
+        await self.open_chat(chat.id)
+        # After the first frame: spawning the child competes for the CPU with the first paint.
+        self.call_after_refresh(self.start_engine, self.model_spec)
+
+    async def open_chat(self, chat_id: int) -> None:
+        await self.chat_screen.show_chat(self.store.chat(chat_id))
+        self.store.set_state("last_chat", str(chat_id))
+
+    # ------------------------------------------------------------------ engine lifecycle
+
+    @property
+    def engine_ready(self) -> bool:
+        return self.engine_state == "ready" and self.engine is not None
+
+    @property
+    def stats_bar(self) -> StatsBar:
+        return self.chat_screen.query_one(StatsBar)
+
+    def start_engine(self, spec: str, show_progress: bool = True) -> None:
+        """Stop the running engine (if any) and start `spec`; progress shows on the start screen."""
+        self.generation += 1
+        self.model_spec = spec
+        self.engine_state = "starting"
+        self.ready_info = None
+        self.last_error = None
+        bar = self.stats_bar
+        bar.ready = None
+        bar.state = f"starting {_short(spec)}…"
+        self.chat_screen.show_banner("")
+        if show_progress:
+            self.show_start_screen()
+        self._engine_start(spec, self.generation)
+
+    def show_start_screen(self) -> None:
+        if self.start_screen is not None or self.engine_state != "starting":
+            return
+        screen = StartScreen(_short(self.model_spec), clock=self.progress_clock)
+        self.start_screen = screen
+
+        def closed(result: str | None) -> None:
+            self.start_screen = None
+            if result == "cancel":
+                self.cancel_start()
+
+        self.push_screen(screen, closed)
+
+    def _close_start_screen(self) -> None:
+        if self.start_screen is not None:
+            screen, self.start_screen = self.start_screen, None
+            if screen.is_current:
+                screen.dismiss("done")
+
+    @work(
+        thread=True,
+        exclusive=True,
+        exit_on_error=False,
+        group="engine",
+        name="engine-start",
+        description="Starting the engine process",
+    )
+    def _engine_start(self, spec: str, generation: int) -> None:
+        """Shut the previous engine down (its child exits, freeing its memory), then spawn the new one.
+
+        Serialised by a lock: a second switch while the first is still spawning waits, then shuts
+        the first one down; a start that was superseded meanwhile does nothing.
+        """
+        with self._engine_lock:
+            old, self.engine = self.engine, None
+            if old is not None:
+                old.shutdown()
+            if generation != self.generation:
+                return
+            if self.install_if_missing:
+                self._install_engine_if_missing(generation)
+            client = make_client(self.engine_factory, self, generation)
+            self.engine = client
+            client.start(spec, self.settings)
+
+    def _install_engine_if_missing(self, generation: int) -> None:
+        from glyd_engine.engine.install import engine_available, install_engine
+
+        if engine_available():
+            return
+
+        def progress(ev: ProgressEvent) -> None:
+            self.post_message(EngineEvent(Progress(ev.job, ev.phase, ev.done, ev.total, ev.eta_s), generation))
+
+        install_engine(progress)
+
+    def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
+        """The one place worker failures land: an engine that cannot even be spawned is a failed start."""
+        if event.state != WorkerState.ERROR or event.worker.group != "engine":
+            return
+        error = event.worker.error
+        kind = "offline" if type(error).__name__ == "OfflineError" else "crash"
+        self.engine_failed(Error(f"{type(error).__name__}: {error}", kind, fatal=True))
+
+    def cancel_start(self) -> None:
+        if self.engine_state != "starting":
+            return
+        self.engine_state = "stopping"
+        self.stats_bar.state = "start cancelled"
+        engine = self.engine
+        if engine is not None:
+            self.run_worker(
+                lambda: engine.cancel_start(),
+                thread=True,
+                group="engine-cancel",
+                name="engine-cancel",
+                exit_on_error=False,
+            )
+
+    def engine_failed(self, error: Error) -> None:
+        self.engine_state = "failed"
+        self.last_error = error
+        self._close_start_screen()
+        self.stats_bar.ready = None
+        self.stats_bar.state = f"failed ({error.kind}): {error.message}"
+        self.chat_screen.show_banner(f"Engine: {error.message}  ·  Ctrl+R restarts, F2 picks another model")
+        if error.kind == "cancelled":
+            self.notify("Start cancelled. Ctrl+R starts again; F2 picks another model.")
+            return
+
+        def chosen(what: str | None) -> None:
+            if what == "restart":
+                self.action_restart_engine()
+            elif what == "models":
+                self.action_models()
+
+        from glyd_app.screens.dialogs import EngineFailed
+
+        self.push_screen(EngineFailed(error.kind, error.message, error.log_path), chosen)
+
+    async def on_engine_event(self, message: EngineEvent) -> None:
+        if message.generation != self.generation:
+            return  # from an engine that was replaced
+        ev = message.event
+        chat = self.chat_screen
+        if isinstance(ev, Progress):
+            if self.start_screen is not None:
+                self.start_screen.show(ev)
+            pct = f" {ev.fraction * 100:.0f}%" if ev.fraction is not None else ""
+            self.stats_bar.state = f"starting {_short(self.model_spec)}: {ev.phase}{pct}"
+        elif isinstance(ev, Ready):
+            self.engine_state = "ready"
+            self.ready_info = ev
+            self._close_start_screen()
+            self.stats_bar.ready = ev
+            self.notify(f"{ev.name} is ready ({ev.engine}, loaded in {ev.load_seconds:.0f} s)", timeout=4)
+            await chat.maybe_reply()
+        elif isinstance(ev, Delta):
+            await chat.on_delta(ev)
+        elif isinstance(ev, Stats):
+            chat.on_stats(ev)
+        elif isinstance(ev, Finished):
+            await chat.on_finished(ev)
+        elif isinstance(ev, Error):
+            if ev.fatal:
+                self.engine_failed(ev)
+            else:
+                self.notify(ev.message, severity="error")
+        elif isinstance(ev, Stopped):
+            self.engine = None if self.engine_state in ("failed", "stopping") else self.engine
+            if self.engine_state == "ready":
+                self.engine_failed(Error("The engine process exited.", "crash", fatal=True))
+            elif self.engine_state == "stopping":
+                self.engine_state = "stopped"
+                self.stats_bar.state = "stopped"
+
+    # ------------------------------------------------------------------ used by the chat screen
+
+    def generate(self, messages: list[dict[str, str]], params: GenerationParams) -> str:
+        assert self.engine is not None
+        return self.engine.generate(messages, params)
+
+    def stop_generation(self) -> None:
+        if self.engine is not None:
+            self.engine.stop_generation()
+
+    def forget_model_dir(self, path: str) -> None:
+        self.store.remove_model_dir(path)
+
+    def export_chat(self, chat_id: int) -> None:
+        try:
+            target = self.store.export_to(chat_id, self.export_dir)
+        except OSError as exc:
+            self.notify(f"Export failed: {exc}", severity="error")
+            return
+        self.notify(f"Exported to {target}")
+
+    # ------------------------------------------------------------------ actions
+
+    def action_help(self) -> None:
+        from glyd_app.screens.help import HelpScreen
+        from glyd_app.store import db_path
+        from glyd_engine import paths
+        from glyd_engine.engine.client import log_path
+
+        rows = []
+        for screen_or_app in (self, self.chat_screen):
+            for binding in screen_or_app.BINDINGS:  # type: ignore[attr-defined]
+                if isinstance(binding, Binding) and binding.id:
+                    keys = self._current_keys(binding)
+                    rows.append((keys, binding.description, binding.id))
+        rows += [
+            ("enter", "Send the message", "glyd.send"),
+            ("ctrl+j", "New line in the message", "glyd.newline"),
+            (
+                "c / b",
+                "On a focused message: copy it / its last code block",
+                "glyd.copy_message / glyd.copy_code",
+            ),
+            ("ctrl+p", "Command palette", ""),
+        ]
+        places = {
+            "keymap": str(keymap_path()),
+            "db": str(db_path()),
+            "cache": str(paths.cache_dir()),
+            "log": str(log_path()),
+        }
+        self.push_screen(HelpScreen(rows, places))
+
+    def _current_keys(self, binding: Binding) -> str:
+        return self._keymap.get(binding.id or "", binding.key) if hasattr(self, "_keymap") else binding.key
+
+    def action_models(self) -> None:
+        from glyd_app.screens.models import ModelPicker
+
+        def chosen(spec: str | None) -> None:
+            if spec:
+                self.switch_model(spec)
+
+        self.push_screen(ModelPicker(self.model_spec, self.store.model_dirs()), chosen)
+
+    def switch_model(self, spec: str) -> None:
+        path = Path(spec).expanduser()
+        if path.is_dir():
+            spec = str(path.resolve())
+            self.store.add_model_dir(spec)
+        if self.chat_screen.busy:
+            self.stop_generation()
+        if self.chat_screen.chat is not None:
+            self.store.update_chat(self.chat_screen.chat.id, model=spec)
+        self.start_engine(spec)
+
+    def action_restart_engine(self) -> None:
+        self.start_engine(self.model_spec)
+
+    def action_chats(self) -> None:
+        from glyd_app.screens.chats import ChatList
+
+        current = self.chat_screen.chat.id if self.chat_screen.chat else None
+
+        async def chosen(chat_id: int | None) -> None:
+            if chat_id is not None and chat_id != current:
+                if self.chat_screen.busy:
+                    self.notify("A reply is streaming: Esc stops it first.", severity="warning")
+                    return
+                await self.open_chat(chat_id)
+
+        self.push_screen(ChatList(self.store, current), chosen)
+
+    async def on_chats_changed(self, message: ChatsChanged) -> None:
+        chat = self.chat_screen.chat
+        if chat is None:
+            return
+        if message.deleted == chat.id:
+            remaining = self.store.chats()
+            target = remaining[0] if remaining else self.store.new_chat(model=self.model_spec)
+            await self.open_chat(target.id)
+        else:
+            self.chat_screen.retitle()
+
+    async def action_new_chat(self) -> None:
+        if self.chat_screen.busy:
+            self.notify("A reply is streaming: Esc stops it first.", severity="warning")
+            return
+        chat = self.chat_screen.chat
+        if chat is not None and not self.store.messages(chat.id):
+            self.notify("This chat is already empty.")
+            return
+        settings = {}
+        if chat is not None:
+            settings = {
+                "system_prompt": chat.system_prompt,
+                "temperature": chat.temperature,
+                "top_p": chat.top_p,
+                "max_tokens": chat.max_tokens,
+            }
+        new = self.store.new_chat(model=self.model_spec, **settings)
+        await self.open_chat(new.id)
+
+    def action_chat_settings(self) -> None:
+        from glyd_app.screens.settings import ChatSettingsScreen
+
+        chat = self.chat_screen.chat
+        if chat is None:
+            return
+
+        def saved(settings: ChatSettings | None) -> None:
+            if settings is not None:
+                self.store.update_chat(
+                    chat.id,
+                    system_prompt=settings.system_prompt,
+                    temperature=settings.temperature,
+                    top_p=settings.top_p,
+                    max_tokens=settings.max_tokens,
+                )
+                self.chat_screen.retitle()
+                self.notify("Chat settings saved")
+
+        self.push_screen(ChatSettingsScreen(self.store.chat(chat.id)), saved)
+
+    def action_export(self) -> None:
+        if self.chat_screen.chat is not None:
+            self.export_chat(self.chat_screen.chat.id)
+
+    def action_rename_chat(self) -> None:
+        from glyd_app.screens.dialogs import TextPrompt
+
+        chat = self.chat_screen.chat
+        if chat is None:
+            return
+
+        def done(title: str | None) -> None:
+            if title:
+                self.store.rename_chat(chat.id, title)
+                self.chat_screen.retitle()
+
+        self.push_screen(TextPrompt("Rename chat", chat.title), done)
+
+    def copy_last_reply(self) -> None:
+        view = self.chat_screen.last_reply()
+        if view is None:
+            self.notify("No reply yet", severity="warning")
+            return
+        view.action_copy()
+
+    def copy_code_block(self, block: str) -> None:
+        self.copy_to_clipboard(block)
+        self.notify("Code block copied to the clipboard")
+
+    def palette_commands(self) -> list[tuple[str, str, object]]:
+        from glyd_app.widgets.messages import code_blocks
+
+        commands: list[tuple[str, str, object]] = [
+            ("Switch model", "Pick another model; the chat stays", self.action_models),
+            ("New chat", "Start an empty conversation", self.action_new_chat),
+            ("Open chat…", "List, open, rename, delete, export chats", self.action_chats),
+            (
+                "Export chat to Markdown",
+                f"Write this chat as a .md file into {self.export_dir}",
+                self.action_export,
+            ),
+            ("Rename chat", "Give this chat a title", self.action_rename_chat),
+            ("Chat settings", "System prompt, temperature, top-p, max tokens", self.action_chat_settings),
+            ("Copy last reply", "Copy the last assistant message", self.copy_last_reply),
+            ("Stop reply", "Stop the reply being generated", self.chat_screen.action_stop),
+            ("Restart engine", "Shut the engine down and start it again", self.action_restart_engine),
+            ("Show start progress", "Show the engine start screen again", self.show_start_screen),
+            ("Help", "Keys, files and what the numbers mean", self.action_help),
+        ]
+        view = self.chat_screen.last_reply()
+        for i, block in enumerate(code_blocks(view.content) if view else [], 1):
+            first = block.strip().splitlines()[0][:40] if block.strip() else ""
+            commands.append(
+                (
+                    f"Copy code block {i} of the last reply",
+                    first,
+                    lambda block=block: self.copy_code_block(block),
+                )
+            )
+        return commands
+
+    async def action_quit(self) -> None:
+        """Save the reply in flight, shut the engine child down (so its memory is freed), exit."""
+        chat = self.chat_screen
+        if chat.reply_view is not None and chat.reply_id is not None:
+            self.store.update_message(chat.reply_id, content=chat.reply_view.content, status="stopped")
+        engine, self.engine = self.engine, None
+        self.engine_state = "stopping"
+        if engine is not None:
+            self.stats_bar.state = "shutting the engine down…"
+            await asyncio.to_thread(engine.shutdown, 10.0)
+        self.exit()
+
+
+def _short(spec: str) -> str:
+    if spec in ("", "demo"):
+        return "the demo model"
+    return Path(spec).name if "/" in spec and Path(spec).expanduser().exists() else spec

@@ -1,0 +1,50 @@
+"""The bridge from the engine client's reader thread to Textual: every event becomes one message.
+
+Progress and non-final stats events replace their own earlier, still-queued copies (`can_replace`),
+so a fast stream of updates costs one redraw per frame rather than one per event. The engine itself
+(torch, vLLM) never loads in this process: `EngineClient` spawns the child and speaks JSON to it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from textual.message import Message
+from textual.message_pump import MessagePump
+
+from glyd_engine.engine.client import EngineClient, EngineLike
+from glyd_engine.engine.protocol import Event, Progress, Stats
+
+EngineFactory = Callable[[Callable[[Event], None]], EngineLike]
+
+
+class EngineEvent(Message):
+    """An event from the engine, posted from the client's reader thread (post_message is thread-safe)."""
+
+    def __init__(self, event: Event, generation: int) -> None:
+        super().__init__()
+        self.event = event
+        self.generation = generation  # which engine start this came from; stale ones are dropped
+
+    def can_replace(self, message: Message) -> bool:
+        if not isinstance(message, EngineEvent) or message.generation != self.generation:
+            return False
+        mine, theirs = self.event, message.event
+        if isinstance(mine, Progress) and isinstance(theirs, Progress):
+            return mine.job == theirs.job
+        if isinstance(mine, Stats) and isinstance(theirs, Stats):
+            return not mine.final and mine.id == theirs.id
+        return False
+
+
+def default_factory(on_event: Callable[[Event], None]) -> EngineLike:
+    return EngineClient(on_event)
+
+
+def make_client(factory: EngineFactory, target: MessagePump, generation: int) -> EngineLike:
+    """A client whose events arrive at `target` as EngineEvent messages tagged with `generation`."""
+
+    def on_event(event: Event) -> None:
+        target.post_message(EngineEvent(event, generation))
+
+    return factory(on_event)

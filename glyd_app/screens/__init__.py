@@ -1,0 +1,1 @@
+"""Screens: chat (the default), first-start progress, model picker, chat list, chat settings, help."""

@@ -1,0 +1,111 @@
+"""Small modal dialogs: ask for a line of text, confirm, show an engine failure."""
+
+from __future__ import annotations
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.screen import ModalScreen
+from textual.widgets import Button, Input, Label, Static
+
+DIALOG_CSS = """
+{name} {{ align: center middle; }}
+{name} > Vertical {{ width: 72; height: auto; padding: 1 2; border: thick $primary; background: $surface; }}
+{name} .title {{ text-style: bold; margin-bottom: 1; width: 100%; }}
+{name} Horizontal {{ height: auto; align-horizontal: right; margin-top: 1; }}
+{name} Button {{ margin-left: 2; }}
+"""
+
+
+class TextPrompt(ModalScreen[str | None]):
+    BINDINGS = [Binding("escape", "dismiss_none", "Cancel")]
+    DEFAULT_CSS = DIALOG_CSS.format(name="TextPrompt")
+
+    def __init__(self, title: str, value: str = "", placeholder: str = "") -> None:
+        super().__init__()
+        self.title_text, self.value, self.placeholder = title, value, placeholder
+
+    def compose(self) -> ComposeResult:
+        with Vertical():
+            yield Label(self.title_text, classes="title")
+            yield Input(self.value, placeholder=self.placeholder)
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        self.dismiss(event.value)
+
+    def action_dismiss_none(self) -> None:
+        self.dismiss(None)
+
+
+class Confirm(ModalScreen[bool]):
+    BINDINGS = [Binding("escape", "no", "No"), Binding("y", "yes", "Yes")]
+    DEFAULT_CSS = DIALOG_CSS.format(name="Confirm")
+
+    def __init__(self, question: str, yes: str = "Delete") -> None:
+        super().__init__()
+        self.question, self.yes = question, yes
+
+    def compose(self) -> ComposeResult:
+        with Vertical():
+            yield Label(self.question, classes="title")
+            with Horizontal():
+                yield Button("Keep", id="no")
+                yield Button(self.yes, id="yes", variant="error")
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        self.dismiss(event.button.id == "yes")
+
+    def action_yes(self) -> None:
+        self.dismiss(True)
+
+    def action_no(self) -> None:
+        self.dismiss(False)
+
+
+KIND_TITLES = {
+    "oom": "Not enough memory",
+    "unsupported": "This model is not supported",
+    "refused": "Refused",
+    "offline": "No network",
+    "cancelled": "Start cancelled",
+    "crash": "The engine stopped",
+}
+
+
+class EngineFailed(ModalScreen[str]):
+    """Why the engine failed, and what the user can do: restart, pick another model, or go on reading."""
+
+    BINDINGS = [
+        Binding("escape", "choose('close')", "Close"),
+        Binding("r", "choose('restart')", "Restart"),
+        Binding("m", "choose('models')", "Pick a model"),
+    ]
+    DEFAULT_CSS = (
+        DIALOG_CSS.format(name="EngineFailed")
+        + """
+    EngineFailed > Vertical { border: thick $error; }
+    EngineFailed #why { margin-bottom: 1; width: 100%; }
+    EngineFailed #log { color: $text-muted; width: 100%; }
+    """
+    )
+
+    def __init__(self, kind: str, message: str, log_path: str | None) -> None:
+        super().__init__()
+        self.kind, self.message, self.log_path = kind, message, log_path
+
+    def compose(self) -> ComposeResult:
+        with Vertical():
+            yield Label(KIND_TITLES.get(self.kind, "The engine failed"), classes="title")
+            yield Static(self.message, id="why", markup=False)
+            if self.log_path:
+                yield Static(f"Details: {self.log_path}", id="log", markup=False)
+            with Horizontal():
+                yield Button("Close", id="close")
+                yield Button("Pick a model", id="models")
+                yield Button("Restart", id="restart", variant="primary")
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        self.dismiss(event.button.id or "close")
+
+    def action_choose(self, what: str) -> None:
+        self.dismiss(what)

@@ -1,0 +1,293 @@
+"""Conversations, per-chat settings and the user's model directories, in SQLite under the data dir.
+
+The schema is versioned with `PRAGMA user_version`; `MIGRATIONS[i]` takes a database from version i
+to i+1, so an old file is upgraded in place on open and a newer one is refused (rather than damaged).
+Every write commits at once: a crash loses at most the reply being streamed, which the chat screen
+saves as it goes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sqlite3
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from glyd_engine import paths
+
+MIGRATIONS: list[str] = [
+    # 0 -> 1: chats and their messages
+    """
+    CREATE TABLE chats (
+        id INTEGER PRIMARY KEY,
+        title TEXT NOT NULL,
+        model TEXT NOT NULL DEFAULT '',
+        system_prompt TEXT NOT NULL DEFAULT '',
+        temperature REAL NOT NULL DEFAULT 0.7,
+        top_p REAL NOT NULL DEFAULT 0.95,
+        max_tokens INTEGER NOT NULL DEFAULT 512,
+        created REAL NOT NULL,
+        updated REAL NOT NULL
+    );
+    CREATE TABLE messages (
+        id INTEGER PRIMARY KEY,
+        chat_id INTEGER NOT NULL REFERENCES chats(id) ON DELETE CASCADE,
+        role TEXT NOT NULL,
+        content TEXT NOT NULL,
+        created REAL NOT NULL
+    );
+    CREATE INDEX messages_chat ON messages(chat_id, id);
+    """,
+    # 1 -> 2: reply status and numbers; model directories the user added; small app state
+    """
+    ALTER TABLE messages ADD COLUMN status TEXT NOT NULL DEFAULT 'done';
+    ALTER TABLE messages ADD COLUMN stats TEXT NOT NULL DEFAULT '';
+    ALTER TABLE messages ADD COLUMN model TEXT NOT NULL DEFAULT '';
+    CREATE TABLE model_dirs (path TEXT PRIMARY KEY, added REAL NOT NULL);
+    CREATE TABLE state (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+    """,
+]
+SCHEMA_VERSION = len(MIGRATIONS)
+
+
+class StoreError(Exception):
+    pass
+
+
+@dataclass
+class Chat:
+    id: int
+    title: str
+    model: str = ""
+    system_prompt: str = ""
+    temperature: float = 0.7
+    top_p: float = 0.95
+    max_tokens: int = 512
+    created: float = 0.0
+    updated: float = 0.0
+
+
+@dataclass
+class StoredMessage:
+    id: int
+    chat_id: int
+    role: str  # user | assistant | system
+    content: str
+    created: float = 0.0
+    status: str = "done"  # done | stopped | interrupted | streaming
+    stats: dict[str, Any] = field(default_factory=dict)
+    model: str = ""
+
+
+def db_path() -> Path:
+    return paths.data_dir() / "chats.sqlite3"
+
+
+class Store:
+    def __init__(self, path: Path | None = None) -> None:
+        self.path = Path(path) if path is not None else db_path()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # The UI thread owns the connection; writes are tiny and commit at once.
+        self.db = sqlite3.connect(self.path, check_same_thread=False)
+        self.db.row_factory = sqlite3.Row
+        self.db.execute("PRAGMA foreign_keys = ON")
+        self.db.execute("PRAGMA journal_mode = WAL")
+        self.migrate()
+
+    def migrate(self) -> None:
+        version = self.db.execute("PRAGMA user_version").fetchone()[0]
+        if version > SCHEMA_VERSION:
+            raise StoreError(
+                f"{self.path} was written by a newer glyd (schema {version} > {SCHEMA_VERSION}); "
+                "upgrade glyd or move the file away"
+            )
+        for target in range(version, SCHEMA_VERSION):
+            with self.db:
+                self.db.executescript("BEGIN;" + MIGRATIONS[target] + f"; PRAGMA user_version = {target + 1};")
+
+    @property
+    def version(self) -> int:
+        return int(self.db.execute("PRAGMA user_version").fetchone()[0])
+
+    def close(self) -> None:
+        self.db.close()
+
+    # ------------------------------------------------------------------ chats
+
+    def new_chat(self, title: str = "New chat", model: str = "", **settings: Any) -> Chat:
+        now = time.time()
+        with self.db:
+            cur = self.db.execute(
+                "INSERT INTO chats (title, model, created, updated) VALUES (?, ?, ?, ?)",
+                (title, model, now, now),
+            )
+        chat = self.chat(int(cur.lastrowid or 0))
+        if settings:
+            self.update_chat(chat.id, **settings)
+            chat = self.chat(chat.id)
+        return chat
+
+    def chat(self, chat_id: int) -> Chat:
+        row = self.db.execute("SELECT * FROM chats WHERE id = ?", (chat_id,)).fetchone()
+        if row is None:
+            raise StoreError(f"no chat {chat_id}")
+        return Chat(**dict(row))
+
+    def chats(self) -> list[Chat]:
+        rows = self.db.execute("SELECT * FROM chats ORDER BY updated DESC, id DESC").fetchall()
+        return [Chat(**dict(r)) for r in rows]
+
+    def update_chat(self, chat_id: int, **fields: Any) -> None:
+        allowed = {"title", "model", "system_prompt", "temperature", "top_p", "max_tokens"}
+        bad = set(fields) - allowed
+        if bad:
+            raise StoreError(f"unknown chat fields {sorted(bad)}")
+        if not fields:
+            return
+        sets = ", ".join(f"{k} = ?" for k in fields)
+        with self.db:
+            self.db.execute(
+                f"UPDATE chats SET {sets}, updated = ? WHERE id = ?", (*fields.values(), time.time(), chat_id)
+            )
+
+    def rename_chat(self, chat_id: int, title: str) -> None:
+        self.update_chat(chat_id, title=title.strip() or "Untitled")
+
+    def delete_chat(self, chat_id: int) -> None:
+        with self.db:
+            self.db.execute("DELETE FROM chats WHERE id = ?", (chat_id,))
+
+    # ------------------------------------------------------------------ messages
+
+    def add_message(
+        self,
+        chat_id: int,
+        role: str,
+        content: str,
+        status: str = "done",
+        stats: dict[str, Any] | None = None,
+        model: str = "",
+    ) -> StoredMessage:
+        now = time.time()
+        with self.db:
+            cur = self.db.execute(
+                "INSERT INTO messages (chat_id, role, content, created, status, stats, model) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (chat_id, role, content, now, status, json.dumps(stats or {}), model),
+            )
+            self.db.execute("UPDATE chats SET updated = ? WHERE id = ?", (now, chat_id))
+        return self.message(int(cur.lastrowid or 0))
+
+    def update_message(
+        self,
+        message_id: int,
+        content: str | None = None,
+        status: str | None = None,
+        stats: dict[str, Any] | None = None,
+    ) -> None:
+        sets, values = [], []
+        for name, value in (
+            ("content", content),
+            ("status", status),
+            ("stats", None if stats is None else json.dumps(stats)),
+        ):
+            if value is not None:
+                sets.append(f"{name} = ?")
+                values.append(value)
+        if sets:
+            with self.db:
+                self.db.execute(f"UPDATE messages SET {', '.join(sets)} WHERE id = ?", (*values, message_id))
+
+    def message(self, message_id: int) -> StoredMessage:
+        row = self.db.execute("SELECT * FROM messages WHERE id = ?", (message_id,)).fetchone()
+        if row is None:
+            raise StoreError(f"no message {message_id}")
+        return _message(row)
+
+    def messages(self, chat_id: int) -> list[StoredMessage]:
+        rows = self.db.execute("SELECT * FROM messages WHERE chat_id = ? ORDER BY id", (chat_id,)).fetchall()
+        return [_message(r) for r in rows]
+
+    def delete_message(self, message_id: int) -> None:
+        with self.db:
+            self.db.execute("DELETE FROM messages WHERE id = ?", (message_id,))
+
+    # ------------------------------------------------------------------ models and state
+
+    def add_model_dir(self, path: str | Path) -> None:
+        with self.db:
+            self.db.execute(
+                "INSERT OR REPLACE INTO model_dirs (path, added) VALUES (?, ?)",
+                (str(Path(path).expanduser().resolve()), time.time()),
+            )
+
+    def remove_model_dir(self, path: str | Path) -> None:
+        with self.db:
+            self.db.execute("DELETE FROM model_dirs WHERE path = ?", (str(path),))
+
+    def model_dirs(self) -> list[Path]:
+        return [Path(r[0]) for r in self.db.execute("SELECT path FROM model_dirs ORDER BY added")]
+
+    def get_state(self, key: str, default: str | None = None) -> str | None:
+        row = self.db.execute("SELECT value FROM state WHERE key = ?", (key,)).fetchone()
+        return default if row is None else str(row[0])
+
+    def set_state(self, key: str, value: str) -> None:
+        with self.db:
+            self.db.execute("INSERT OR REPLACE INTO state (key, value) VALUES (?, ?)", (key, value))
+
+    # ------------------------------------------------------------------ export
+
+    def export_markdown(self, chat_id: int) -> str:
+        chat = self.chat(chat_id)
+        lines = [f"# {chat.title}", ""]
+        meta = [
+            f"model: {chat.model or 'demo'}",
+            f"temperature {chat.temperature:g}",
+            f"top-p {chat.top_p:g}",
+            f"max tokens {chat.max_tokens}",
+        ]
+        lines += [f"*{' · '.join(meta)}*", ""]
+        if chat.system_prompt:
+            lines += ["**System:**", "", chat.system_prompt, ""]
+        for m in self.messages(chat_id):
+            who = {"user": "You", "assistant": "Assistant"}.get(m.role, m.role.title())
+            note = "" if m.status == "done" else f" *({m.status})*"
+            lines += [f"## {who}{note}", "", m.content.rstrip(), ""]
+        return "\n".join(lines).rstrip() + "\n"
+
+    def export_to(self, chat_id: int, directory: Path) -> Path:
+        """Write the chat as Markdown into `directory`, never overwriting an earlier export."""
+        title = self.chat(chat_id).title
+        slug = re.sub(r"[^A-Za-z0-9]+", "-", title).strip("-").lower()[:48] or "chat"
+        directory.mkdir(parents=True, exist_ok=True)
+        target = directory / f"glyd-{slug}.md"
+        n = 2
+        while target.exists():
+            target = directory / f"glyd-{slug}-{n}.md"
+            n += 1
+        target.write_text(self.export_markdown(chat_id), encoding="utf-8")
+        return target
+
+    def __iter__(self) -> Iterator[Chat]:
+        return iter(self.chats())
+
+
+def _message(row: sqlite3.Row) -> StoredMessage:
+    data = dict(row)
+    try:
+        data["stats"] = json.loads(data.get("stats") or "{}")
+    except ValueError:
+        data["stats"] = {}
+    return StoredMessage(**data)
+
+
+def title_from(text: str, limit: int = 48) -> str:
+    """A chat's default title: the first line of its first message."""
+    first = next((line.strip() for line in text.splitlines() if line.strip()), "New chat")
+    first = re.sub(r"\s+", " ", first)
+    return first if len(first) <= limit else first[: limit - 1].rstrip() + "…"

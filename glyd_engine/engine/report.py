@@ -1,0 +1,124 @@
+"""The memory numbers the engine reports: weights and KV cache, each against what bf16 would take.
+
+Kept apart from the vLLM backend so the figures are computed one way for every engine, and so the
+KV mode can later come from Glyd's vLLM plugin (issue 3) without the app changing: `kv_report` asks
+`glyd_engine.vllm_plugin.kv_status` when that exists and otherwise reports vLLM's own cache.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("glyd.engine")
+
+_DTYPE_BYTES = {
+    "BF16": 2,
+    "F16": 2,
+    "F32": 4,
+    "F64": 8,
+    "I8": 1,
+    "U8": 1,
+    "I16": 2,
+    "U16": 2,
+    "I32": 4,
+    "U32": 4,
+    "I64": 8,
+    "U64": 8,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+}
+_FLOATS = {"BF16", "F16", "F32", "F64"}
+
+
+@dataclass(frozen=True)
+class WeightsReport:
+    bytes: int  # what the checkpoint's tensors take (compressed for a Glyd-packed model)
+    bf16_bytes: int  # what the same weights take in bf16
+
+
+def _safetensors_header(path: Path) -> dict[str, Any]:
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(size))
+
+
+def weights_report(model_dir: Path) -> WeightsReport:
+    """Sum tensor bytes from the safetensors headers (no tensor is read).
+
+    A Glyd-packed checkpoint records its bf16 size in config.json's `quantization_config.bf16_bytes`;
+    for plain checkpoints every float tensor counts at 2 bytes a value.
+    """
+    stored = 0
+    bf16 = 0
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        for name, info in _safetensors_header(file).items():
+            if name == "__metadata__":
+                continue
+            begin, end = info["data_offsets"]
+            stored += end - begin
+            numel = 1
+            for d in info["shape"]:
+                numel *= d
+            bf16 += numel * 2 if info["dtype"] in _FLOATS else end - begin
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        packed = (config.get("quantization_config") or {}).get("bf16_bytes")
+        if packed:
+            bf16 = int(packed)
+    except (OSError, ValueError):
+        pass
+    return WeightsReport(stored, bf16)
+
+
+@dataclass(frozen=True)
+class KVReport:
+    mode: str  # "lossless" | "exact" | "vllm"
+    reason: str
+    bytes_per_token: float
+    bf16_bytes_per_token: float
+
+
+def bf16_kv_bytes_per_token(vllm_config: Any) -> int:
+    """K and V for every attention layer, at 2 bytes a value."""
+    mc, pc = vllm_config.model_config, vllm_config.parallel_config
+    layers = mc.get_num_layers(pc)
+    heads = mc.get_num_kv_heads(pc)
+    head = mc.get_head_size()
+    return 2 * layers * heads * head * 2
+
+
+def kv_report(vllm_config: Any, setting: str) -> KVReport:
+    bf16 = float(bf16_kv_bytes_per_token(vllm_config))
+    try:
+        from glyd_engine.vllm_plugin import kv_status  # type: ignore[attr-defined]
+    except ImportError:
+        kv_status = None
+    if kv_status is not None:
+        status = kv_status(vllm_config)
+        return KVReport(status["mode"], status["reason"], float(status["bytes_per_token"]), bf16)
+    if setting == "off":
+        reason = "KV compression is off (setting)"
+    else:
+        reason = "Glyd's KV plugin is not installed in this build; vLLM's own bf16 cache"
+    cache_dtype = getattr(vllm_config.cache_config, "cache_dtype", "auto")
+    per_token = bf16
+    if cache_dtype not in ("auto", "bfloat16", "bf16"):
+        per_token = bf16 / 2  # fp8 caches: lossy, said so in the reason
+        reason = f"vLLM's own {cache_dtype} cache (lossy)"
+    return KVReport("vllm", reason, per_token, bf16)
+
+
+def rss_bytes(pid: int | None = None) -> int | None:
+    """Resident memory of a process (Linux /proc; None elsewhere)."""
+    try:
+        with open(f"/proc/{pid or os.getpid()}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None

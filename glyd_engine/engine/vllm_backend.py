@@ -1,0 +1,318 @@
+"""vLLM inside the engine child: load with progress, stream one reply at a time, abort on request.
+
+Streaming uses vLLM's in-process `LLMEngine` (V1): `add_request` with `RequestOutputKind.DELTA`, then
+`step()` in the child's loop, which checks for a stop request between steps; `abort_request` stops a
+reply at once. No extra engine-core process: the child itself is the isolation, and its exit frees
+everything.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from glyd_engine import paths
+from glyd_engine.engine.protocol import (
+    Delta,
+    EngineSettings,
+    Event,
+    Finished,
+    Generate,
+    Progress,
+    Ready,
+    Stats,
+)
+from glyd_engine.engine.report import kv_report, rss_bytes, weights_report
+
+log = logging.getLogger("glyd.engine")
+
+JOB = "engine"
+STATS_INTERVAL_S = 0.25
+
+# vLLM log lines -> the phase a user reads; matched as substrings, in order of appearance.
+_PHASES = (
+    ("Resolved architecture", "Reading the model's configuration"),
+    ("Initializing a V1 LLM engine", "Setting up the engine"),
+    ("Starting to load model", "Loading the weights"),
+    ("Loading weights took", "Weights loaded; profiling memory"),
+    ("Warming up model", "Compiling the model (first start only)"),
+    ("KV cache size", "Allocating the KV cache"),
+    ("init engine", "Finishing"),
+)
+
+
+class _PhaseHook:
+    """Turns vLLM's log lines into phase names for the progress events.
+
+    A log-record factory rather than a handler: vLLM reconfigures its loggers (replacing handlers)
+    while the engine is built, but it wraps whatever record factory is installed, so this one sees
+    every record vLLM creates.
+    """
+
+    def __init__(self, on_phase: Callable[[str], None]) -> None:
+        self.on_phase = on_phase
+        self.previous = logging.getLogRecordFactory()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> logging.LogRecord:
+        record = self.previous(*args, **kwargs)
+        if record.name.startswith("vllm"):
+            try:
+                text = record.getMessage()
+            except Exception:  # noqa: BLE001 - a bad log record must not break the load
+                return record
+            for needle, phase in _PHASES:
+                if needle in text:
+                    self.on_phase(phase)
+                    break
+        return record
+
+    def __enter__(self) -> _PhaseHook:
+        logging.setLogRecordFactory(self)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        # vLLM may have wrapped us; unwrapping its factory is not ours to do, so just go quiet.
+        self.on_phase = lambda _phase: None
+        if logging.getLogRecordFactory() is self:
+            logging.setLogRecordFactory(self.previous)
+
+
+class _LoadTicker:
+    """Progress while vLLM loads, which has no progress of its own: elapsed time against the last load
+    of the same model (remembered on disk), phase text from vLLM's log."""
+
+    def __init__(self, key: str, emit: Callable[[Event], None], default_s: float) -> None:
+        self.key, self.emit = key, emit
+        self.file = paths.cache_dir() / "engine" / "load-times.json"
+        self.expected = self._history().get(key, default_s)
+        self.phase = "Importing vLLM"
+        self.start = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="glyd-load-ticker", daemon=True)
+
+    def _history(self) -> dict[str, float]:
+        try:
+            return {str(k): float(v) for k, v in json.loads(self.file.read_text()).items()}
+        except (OSError, ValueError, AttributeError):
+            return {}
+
+    def __enter__(self) -> _LoadTicker:
+        self._thread.start()
+        return self
+
+    def set_phase(self, phase: str) -> None:
+        self.phase = phase
+        self._tick()
+
+    def _tick(self) -> None:
+        elapsed = time.monotonic() - self.start
+        total = max(self.expected, elapsed * 1.05)
+        self.emit(Progress(JOB, self.phase, round(elapsed, 2), round(total, 2), round(total - elapsed, 1)))
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.5):
+            self._tick()
+
+    def __exit__(self, exc_type: object, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        if exc_type is None:
+            elapsed = time.monotonic() - self.start
+            self.emit(Progress(JOB, "Ready", elapsed, elapsed, 0.0))
+            history = self._history()
+            history[self.key] = round(elapsed, 1)
+            try:
+                from glyd_engine.atomic import atomic_write_bytes
+
+                atomic_write_bytes(self.file, json.dumps(history, indent=1).encode())
+            except OSError as exc:
+                log.warning("could not remember the load time: %s", exc)
+
+
+class _Reply:
+    """Bookkeeping for the reply in flight: timings and counts for the stats events."""
+
+    def __init__(self, rid: str, prompt_tokens: int, trimmed: int) -> None:
+        self.rid, self.prompt_tokens, self.trimmed = rid, prompt_tokens, trimmed
+        self.t_submit = time.monotonic()
+        self.t_first: float | None = None
+        self.t_last: float | None = None
+        self.generated = 0
+        self.last_stats = 0.0
+
+
+class VllmBackend:
+    def __init__(self, model: str, model_dir: Path, settings: EngineSettings, emit: Callable[[Event], None]) -> None:
+        self.model, self.model_dir, self.settings, self.emit = model, model_dir, settings, emit
+        self.engine: Any = None
+        self.tokenizer: Any = None
+        self.reply: _Reply | None = None
+        self.capacity = 0
+
+    # ------------------------------------------------------------------ load
+
+    def load(self) -> Ready:
+        s = self.settings
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        start = time.monotonic()
+        eager_key = "eager" if s.enforce_eager is not False else "compiled"
+        with _LoadTicker(f"{self.model_dir}|{eager_key}", self.emit, default_s=30.0) as ticker:
+            import vllm
+            from vllm import EngineArgs
+            from vllm.platforms import current_platform
+            from vllm.v1.engine.llm_engine import LLMEngine
+
+            with _PhaseHook(ticker.set_phase):
+                cpu = current_platform.is_cpu()
+                eager = cpu if s.enforce_eager is None else s.enforce_eager
+                kwargs: dict[str, Any] = dict(
+                    model=str(self.model_dir),
+                    dtype=s.dtype,
+                    max_model_len=s.max_model_len,
+                    enforce_eager=eager,
+                    disable_log_stats=True,
+                    seed=0,
+                )
+                if s.kv_cache_bytes:
+                    kwargs["kv_cache_memory_bytes"] = int(s.kv_cache_bytes)
+                else:
+                    kwargs["gpu_memory_utilization"] = s.gpu_memory_utilization
+                if s.kv != "off":
+                    kwargs["additional_config"] = {"glyd": {"kv": s.kv}}
+                self.engine = LLMEngine.from_engine_args(EngineArgs(**kwargs))
+        vc = self.engine.vllm_config
+        self.tokenizer = self.engine.get_tokenizer()
+        cc = vc.cache_config
+        self.capacity = int((cc.num_gpu_blocks or 0) * cc.block_size)
+        kv = kv_report(vc, s.kv)
+        weights = weights_report(self.model_dir)
+        archs = getattr(vc.model_config.hf_config, "architectures", None) or [""]
+        return Ready(
+            model=self.model,
+            name=_display_name(self.model, self.model_dir),
+            path=str(self.model_dir),
+            architecture=archs[0],
+            device="cpu" if cpu else "cuda",
+            engine=f"vLLM {vllm.__version__} ({'CPU' if cpu else 'CUDA'} build{', eager' if eager else ''})",
+            max_model_len=int(vc.model_config.max_model_len),
+            kv_capacity_tokens=self.capacity,
+            kv_bytes_per_token=kv.bytes_per_token,
+            kv_bf16_bytes_per_token=kv.bf16_bytes_per_token,
+            weights_bytes=weights.bytes,
+            weights_bf16_bytes=weights.bf16_bytes,
+            kv_mode=kv.mode,
+            kv_reason=kv.reason,
+            load_seconds=round(time.monotonic() - start, 2),
+            rss_bytes=rss_bytes(),
+        )
+
+    # ------------------------------------------------------------------ generate
+
+    @property
+    def busy(self) -> bool:
+        return self.reply is not None
+
+    def _prompt_ids(self, req: Generate) -> tuple[list[int], int]:
+        """The chat template applied in the child; the oldest turns are left out until the prompt
+        leaves room for at least a short reply."""
+        system = [{"role": "system", "content": req.params.system_prompt}] if req.params.system_prompt else []
+        turns = [m for m in req.messages if m.get("role") in ("user", "assistant", "system")]
+        budget = self.settings.max_model_len - min(req.params.max_tokens, self.settings.max_model_len // 4)
+        trimmed = 0
+        while True:
+            text = self.tokenizer.apply_chat_template(system + turns, tokenize=False, add_generation_prompt=True)
+            ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+            if len(ids) <= budget or len(turns) <= 1:
+                return ids[-budget:], trimmed
+            turns = turns[1:]
+            trimmed += 1
+
+    def submit(self, req: Generate) -> None:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        if self.reply is not None:
+            self.abort()
+        ids, trimmed = self._prompt_ids(req)
+        room = max(1, self.settings.max_model_len - len(ids))
+        p = req.params
+        params = SamplingParams(
+            temperature=max(0.0, float(p.temperature)),
+            top_p=min(1.0, max(1e-3, float(p.top_p))),
+            max_tokens=max(1, min(int(p.max_tokens), room)),
+            output_kind=RequestOutputKind.DELTA,
+        )
+        self.reply = _Reply(req.id, len(ids), trimmed)
+        self.engine.add_request(req.id, TokensPrompt(prompt_token_ids=ids), params)
+
+    def step(self) -> None:
+        """One engine step: deltas out, and the stats now and then; the end of the reply when done."""
+        reply = self.reply
+        if reply is None:
+            return
+        for out in self.engine.step():
+            if out.request_id != reply.rid:
+                continue
+            now = time.monotonic()
+            for o in out.outputs[:1]:
+                n = len(o.token_ids)
+                if n:
+                    if reply.t_first is None:
+                        reply.t_first = now
+                    reply.generated += n
+                    reply.t_last = now
+                if o.text or n:
+                    self.emit(Delta(reply.rid, o.text, n))
+            if out.finished:
+                reason = (out.outputs[0].finish_reason if out.outputs else None) or "stop"
+                self._finish(reason)
+                return
+            if now - reply.last_stats >= STATS_INTERVAL_S:
+                reply.last_stats = now
+                self.emit(self._stats(reply, final=False))
+
+    def abort(self) -> None:
+        if self.reply is not None:
+            self.engine.abort_request([self.reply.rid])
+            self._finish("stopped")
+
+    def _finish(self, reason: str) -> None:
+        reply, self.reply = self.reply, None
+        if reply is None:
+            return
+        self.emit(self._stats(reply, final=True))
+        self.emit(Finished(reply.rid, reason))
+
+    def _stats(self, r: _Reply, final: bool) -> Stats:
+        ttft = None if r.t_first is None else r.t_first - r.t_submit
+        gen_tps = None
+        if r.t_first is not None and r.t_last is not None and r.generated > 1 and r.t_last > r.t_first:
+            gen_tps = (r.generated - 1) / (r.t_last - r.t_first)
+        return Stats(
+            id=r.rid,
+            prompt_tokens=r.prompt_tokens,
+            generated_tokens=r.generated,
+            prompt_tps=(r.prompt_tokens / ttft) if ttft else None,
+            gen_tps=gen_tps,
+            ttft_s=ttft,
+            kv_tokens_in_use=r.prompt_tokens + r.generated,
+            kv_capacity_tokens=self.capacity,
+            trimmed_messages=r.trimmed,
+            final=final,
+        )
+
+    def close(self) -> None:
+        self.engine = None
+
+
+def _display_name(model: str, model_dir: Path) -> str:
+    if model in ("", "demo"):
+        return "SmolLM2-135M-Instruct (demo)"
+    return Path(model_dir).name or model

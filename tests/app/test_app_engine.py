@@ -1,0 +1,69 @@
+"""The app on the real engine process with the echo stand-in backend: a crash mid-reply, a restart,
+a model that fails to load. Real pipes and a real child, no model, so seconds per test."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from helpers import type_text, wait_for
+
+from glyd_app.app import GlydApp
+from glyd_app.screens.dialogs import EngineFailed
+from glyd_app.store import Store
+from glyd_app.widgets.messages import MessageView
+from glyd_engine.engine.protocol import EngineSettings
+
+pytestmark = pytest.mark.anyio
+SIZE = (110, 36)
+
+
+@pytest.fixture
+def echo_app(glyd_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("GLYD_ENGINE_BACKEND", "echo")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"\x02\x00\x00\x00\x00\x00\x00\x00{}")
+
+    def make(spec: str = str(model)) -> GlydApp:
+        return GlydApp(
+            model=spec,
+            settings=EngineSettings(kv="off"),
+            store=Store(tmp_path / "c.sqlite3"),
+            export_dir=tmp_path,
+            install_if_missing=False,
+        )
+
+    return make
+
+
+async def test_crash_mid_reply_keeps_text_and_restart_works(echo_app) -> None:  # type: ignore[no-untyped-def]
+    app = echo_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.engine_state == "ready", 30, "ready")
+        await type_text(pilot, "please CRASH")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: isinstance(app.screen, EngineFailed), 30, "failure dialog")
+        assert app.screen.kind == "crash" and "exit code 3" in app.screen.message  # type: ignore[attr-defined]
+        await wait_for(pilot, lambda: not app.chat_screen.busy, 10, "reply closed")
+        reply = app.store.messages(app.chat_screen.chat.id)[-1]  # type: ignore[union-attr]
+        assert reply.role == "assistant" and reply.status == "interrupted" and reply.content == "about to "
+        await pilot.press("r")  # restart from the dialog
+        await wait_for(pilot, lambda: app.engine_state == "ready", 30, "ready again")
+        await pilot.click("#input")
+        await type_text(pilot, "hello again")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: not app.chat_screen.busy and len(app.query(MessageView)) == 4, 30)
+        assert "hello again" in list(app.query(MessageView))[-1].content
+
+
+async def test_model_that_fails_to_load_shows_why(echo_app) -> None:  # type: ignore[no-untyped-def]
+    app = echo_app("fail:unsupported")
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: isinstance(app.screen, EngineFailed), 30, "failure dialog")
+        assert app.screen.kind == "unsupported"  # type: ignore[attr-defined]
+        assert "EchoForCausalLM is not supported" in app.screen.message  # type: ignore[attr-defined]
+        await pilot.press("escape")
+        assert app.screen is app.chat_screen and app.engine_state == "failed"
+        await pilot.press("ctrl+q")

@@ -1,0 +1,284 @@
+"""The app driven by Pilot on a scripted engine: chat flow, stop, failures, switching, chats, settings."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from helpers import type_text, wait_for
+from scripted import READY, Script
+
+from glyd_app.app import GlydApp
+from glyd_app.screens.dialogs import EngineFailed
+from glyd_app.screens.start import StartScreen
+from glyd_app.widgets.messages import MessageView
+from glyd_app.widgets.stats_bar import StatsBar
+from glyd_engine.engine.protocol import Error, Progress
+
+pytestmark = pytest.mark.anyio
+
+SIZE = (110, 36)
+MakeApp = Callable[..., GlydApp]
+
+
+async def _ready(pilot, app: GlydApp) -> None:  # type: ignore[no-untyped-def]
+    await wait_for(pilot, lambda: app.engine_state == "ready", what="engine ready")
+
+
+async def test_send_streams_a_reply_with_numbers_and_stores_it(scripted_app: MakeApp) -> None:
+    app = scripted_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await _ready(pilot, app)
+        await type_text(pilot, "Capital of France?")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: not app.chat_screen.busy and len(app.query(MessageView)) == 2)
+        views = list(app.query(MessageView))
+        assert [v.role for v in views] == ["user", "assistant"]
+        assert "Paris" in views[1].content
+        bar = app.chat_screen.query_one(StatsBar)
+        text = bar.render().plain
+        assert "gen 41.3 tok/s" in text and "TTFT 0.06 s" in text and "prompt 672 tok/s" in text
+        assert "weights 179 MiB" in text and "KV 56/16,320 tok" in text and "Glyd lossless" in text
+        chat = app.chat_screen.chat
+        assert chat is not None and chat.title == "Capital of France?"
+        stored = app.store.messages(chat.id)
+        assert [(m.role, m.status) for m in stored] == [("user", "done"), ("assistant", "done")]
+        assert stored[1].stats["gen_tps"] == 41.3
+        engine = app.engine_factory.engines[-1]  # type: ignore[attr-defined]
+        messages, params = engine.requests[0]
+        assert messages == [{"role": "user", "content": "Capital of France?"}]
+        assert params.max_tokens == 512
+
+
+async def test_newline_key_and_enter_sends_whole_text(scripted_app: MakeApp) -> None:
+    app = scripted_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await _ready(pilot, app)
+        await type_text(pilot, "one")
+        await pilot.press("ctrl+j")
+        await type_text(pilot, "two")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: len(app.query(MessageView)) == 2)
+        assert app.query(MessageView).first().content == "one\ntwo"
+
+
+async def test_escape_stops_the_reply_and_keeps_the_text(scripted_app: MakeApp) -> None:
+    app = scripted_app(Script(hold=True))
+    async with app.run_test(size=SIZE) as pilot:
+        await _ready(pilot, app)
+        await type_text(pilot, "tell me a story")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: app.chat_screen.busy)
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: not app.chat_screen.busy)
+        reply = app.store.messages(app.chat_screen.chat.id)[-1]  # type: ignore[union-attr]
+        assert reply.status == "stopped" and "Paris" in reply.content
+        assert "Stopped" in list(app.query(MessageView))[-1].note
+
+
+async def test_message_typed_while_starting_is_sent_when_ready(scripted_app: MakeApp) -> None:
+    app = scripted_app(Script(start=[Progress("kv-tables", "calibrating", 3, 48, 60.0)]))
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: isinstance(app.screen, StartScreen))
+        await pilot.press("escape")  # hide the progress, keep typing
+        await type_text(pilot, "hello")
+        await pilot.press("enter")
+        await pilot.pause(0.1)
+        engine = app.engine_factory.engines[-1]  # type: ignore[attr-defined]
+        assert engine.requests == []
+        engine.on_event(READY)
+        await wait_for(pilot, lambda: len(engine.requests) == 1 and not app.chat_screen.busy)
+        assert app.store.messages(app.chat_screen.chat.id)[-1].role == "assistant"  # type: ignore[union-attr]
+
+
+async def test_failed_start_shows_the_reason_and_app_stays_usable(scripted_app: MakeApp) -> None:
+    app = scripted_app(Script(start=[Error("not enough memory for the KV cache (needs 2.1 GiB, 1.2 free)", "oom")]))
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: isinstance(app.screen, EngineFailed))
+        assert app.screen.kind == "oom" and "not enough memory" in app.screen.message  # type: ignore[attr-defined]
+        await pilot.press("escape")
+        assert app.engine_state == "failed"
+        assert "not enough memory" in app.chat_screen.query_one("#banner").render().plain  # type: ignore[attr-defined]
+        await type_text(pilot, "still here")
+        await pilot.press("enter")
+        await pilot.pause(0.1)
+        # kept, not lost: the message waits in the chat for an engine
+        assert app.store.messages(app.chat_screen.chat.id)[-1].content == "still here"  # type: ignore[union-attr]
+
+
+async def test_switching_model_restarts_engine_and_keeps_history(scripted_app: MakeApp, tmp_path: Path) -> None:
+    model_dir = tmp_path / "other-model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text("{}")
+    app = scripted_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await _ready(pilot, app)
+        await type_text(pilot, "first")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: len(app.query(MessageView)) == 2 and not app.chat_screen.busy)
+        await pilot.press("f2")
+        await wait_for(pilot, lambda: app.screen.__class__.__name__ == "ModelPicker")
+        await pilot.click("#model-input")
+        await type_text(pilot, str(model_dir))
+        await pilot.press("enter")
+        engines = app.engine_factory.engines  # type: ignore[attr-defined]
+        await wait_for(pilot, lambda: len(engines) == 2 and app.engine_state == "ready")
+        assert not engines[0].running and engines[1].started[0][0] == str(model_dir.resolve())
+        assert app.store.model_dirs() == [model_dir.resolve()]
+        assert len(app.query(MessageView)) == 2  # the chat stayed
+        assert app.store.chat(app.chat_screen.chat.id).model == str(model_dir.resolve())  # type: ignore[union-attr]
+        await pilot.press("f2")
+        await wait_for(pilot, lambda: app.screen.__class__.__name__ == "ModelPicker")
+        await wait_for(pilot, lambda: len(app.screen.entries) >= 2)  # type: ignore[attr-defined]
+        labels = [e.label for e in app.screen.entries]  # type: ignore[attr-defined]
+        assert labels[0].endswith("(demo)") and "other-model" in labels
+
+
+async def test_chat_list_rename_export_delete_and_new_chat(scripted_app: MakeApp, tmp_path: Path) -> None:
+    app = scripted_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await _ready(pilot, app)
+        await type_text(pilot, "about cats")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: not app.chat_screen.busy and len(app.query(MessageView)) == 2)
+        first = app.chat_screen.chat.id  # type: ignore[union-attr]
+        await pilot.press("ctrl+n")
+        await wait_for(pilot, lambda: app.chat_screen.chat.id != first)  # type: ignore[union-attr]
+        assert len(app.query(MessageView)) == 0
+        await pilot.press("f3")
+        await wait_for(pilot, lambda: app.screen.__class__.__name__ == "ChatList")
+        await pilot.press("down")  # the older chat, "about cats"
+        await pilot.press("r")
+        await wait_for(pilot, lambda: app.screen.__class__.__name__ == "TextPrompt")
+        await pilot.press("ctrl+a", "ctrl+k")
+        await type_text(pilot, "Cats")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: app.store.chat(first).title == "Cats")
+        await pilot.press("e")
+        exported = tmp_path / "exports" / "glyd-cats.md"
+        await wait_for(pilot, exported.exists)
+        assert "about cats" in exported.read_text()
+        await pilot.press("enter")  # open it
+        await wait_for(pilot, lambda: app.chat_screen.chat.id == first)  # type: ignore[union-attr]
+        assert len(app.query(MessageView)) == 2
+        await pilot.press("f3")
+        await wait_for(pilot, lambda: app.screen.__class__.__name__ == "ChatList")
+        await pilot.press("d")
+        await wait_for(pilot, lambda: app.screen.__class__.__name__ == "Confirm")
+        await pilot.press("y")
+        await wait_for(pilot, lambda: all(c.id != first for c in app.store.chats()))
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: app.chat_screen.chat.id != first)  # type: ignore[union-attr]
+
+
+async def test_chat_settings_reach_the_engine(scripted_app: MakeApp) -> None:
+    app = scripted_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await _ready(pilot, app)
+        await pilot.press("f4")
+        await wait_for(pilot, lambda: app.screen.__class__.__name__ == "ChatSettingsScreen")
+        await type_text(pilot, "Answer in French.")
+        await pilot.click("#temperature")
+        await pilot.press("ctrl+a", "ctrl+k")  # clear
+        await type_text(pilot, "0.2")
+        await pilot.click("#max_tokens")
+        await pilot.press("ctrl+a", "ctrl+k")
+        await type_text(pilot, "64")
+        await pilot.press("ctrl+s")
+        await wait_for(pilot, lambda: app.screen is app.chat_screen)
+        await pilot.click("#input")
+        await type_text(pilot, "hi")
+        await pilot.press("enter")
+        engine = app.engine_factory.engines[-1]  # type: ignore[attr-defined]
+        await wait_for(pilot, lambda: len(engine.requests) == 1)
+        params = engine.requests[0][1]
+        assert (params.system_prompt, params.temperature, params.max_tokens) == ("Answer in French.", 0.2, 64)
+
+
+async def test_bad_setting_is_refused_with_a_reason(scripted_app: MakeApp) -> None:
+    app = scripted_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await _ready(pilot, app)
+        await pilot.press("f4")
+        await wait_for(pilot, lambda: app.screen.__class__.__name__ == "ChatSettingsScreen")
+        await pilot.click("#top_p")
+        await pilot.press("ctrl+a", "ctrl+k")
+        await type_text(pilot, "7")
+        await pilot.press("ctrl+s")
+        await pilot.pause(0.1)
+        assert "top-p" in str(app.screen.query_one("#error").render())
+
+
+async def test_palette_help_and_remapped_key(scripted_app: MakeApp, glyd_home: Path) -> None:
+    (glyd_home / "config").mkdir(parents=True)
+    (glyd_home / "config" / "keymap.toml").write_text('[keymap]\n"glyd.new_chat" = "ctrl+b"\n')
+    app = scripted_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await _ready(pilot, app)
+        await type_text(pilot, "x")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: not app.chat_screen.busy and len(app.query(MessageView)) == 2)
+        first = app.chat_screen.chat.id  # type: ignore[union-attr]
+        await pilot.press("ctrl+b")
+        await wait_for(pilot, lambda: app.chat_screen.chat.id != first)  # type: ignore[union-attr]
+        await pilot.press("f1")
+        await wait_for(pilot, lambda: app.screen.__class__.__name__ == "HelpScreen")
+        await pilot.press("escape")
+        await pilot.press("ctrl+p")
+        await wait_for(pilot, lambda: app.screen.__class__.__name__ == "CommandPalette")
+        await type_text(pilot, "open chat")
+        await pilot.pause(0.3)
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: app.screen.__class__.__name__ == "ChatList")
+
+
+async def test_copy_message_and_code_block(scripted_app: MakeApp) -> None:
+    app = scripted_app()
+    copied: list[str] = []
+    async with app.run_test(size=SIZE) as pilot:
+        app.copy_to_clipboard = copied.append  # type: ignore[method-assign]
+        await _ready(pilot, app)
+        await type_text(pilot, "code please")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: not app.chat_screen.busy and len(app.query(MessageView)) == 2)
+        reply = list(app.query(MessageView))[-1]
+        reply.focus()
+        await pilot.press("b")
+        await pilot.press("c")
+        assert copied == ['print("Bonjour, Paris")', reply.content]
+
+
+async def test_quit_shuts_the_engine_down(scripted_app: MakeApp) -> None:
+    app = scripted_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await _ready(pilot, app)
+        engine = app.engine_factory.engines[-1]  # type: ignore[attr-defined]
+        await pilot.press("ctrl+q")
+        await pilot.pause(0.1)
+    assert not engine.running
+
+
+async def test_quick_successive_switches_leave_one_engine(scripted_app: MakeApp, tmp_path: Path) -> None:
+    dirs = []
+    for name in ("a", "b"):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text("{}")
+        dirs.append(d)
+    app = scripted_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await _ready(pilot, app)
+        app.switch_model(str(dirs[0]))
+        app.switch_model(str(dirs[1]))
+        engines = app.engine_factory.engines  # type: ignore[attr-defined]
+        await wait_for(
+            pilot,
+            lambda: (
+                app.engine_state == "ready"
+                and app.engine is not None
+                and app.engine.started[-1][0] == str(dirs[1].resolve())
+            ),
+        )  # type: ignore[attr-defined]
+        await pilot.pause(0.2)
+        assert [e for e in engines if e.running] == [app.engine]

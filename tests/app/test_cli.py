@@ -1,0 +1,62 @@
+"""`glyd doctor`, `glyd paths`, `glyd run`, `glyd-chat --version/--data-dir`: the commands around the app."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from glyd_engine.cli import main
+
+
+def test_paths_json_lists_every_place_under_glyd_home(glyd_home: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["paths", "--json"]) == 0
+    places = json.loads(capsys.readouterr().out)
+    assert {"cache", "data", "config", "models", "kv_tables", "chats", "engine_venv", "engine_log"} <= set(places)
+    assert all(p.startswith(str(glyd_home)) for p in places.values())
+
+
+def test_doctor_reports_and_says_what_would_run(glyd_home: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "=> " in out and "would" in out
+    assert "GPU" in out or "CPU" in out
+    assert "Memory:" in out and str(glyd_home) in out
+    assert main(["doctor", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["unwritable"] == [] and "engine" in report
+
+
+def test_doctor_flags_an_unwritable_home(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    home = tmp_path / "ro"
+    home.mkdir()
+    home.chmod(0o500)
+    monkeypatch.setenv("GLYD_HOME", str(home / "glyd"))
+    try:
+        if __import__("os").access(home, __import__("os").W_OK):
+            pytest.skip("running as a user who can write anywhere (root)")
+        assert main(["doctor"]) == 1
+        assert "Not writable" in capsys.readouterr().out
+    finally:
+        home.chmod(0o700)
+
+
+def test_glyd_chat_version_and_data_dir(glyd_home: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "glyd_app", "--version"], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.startswith("glyd-chat ")
+    out = subprocess.run([sys.executable, "-m", "glyd_app", "--data-dir"], capture_output=True, text=True)
+    assert out.stdout.strip() == str(glyd_home / "data" / "chats.sqlite3")
+
+
+def test_glyd_run_hands_over_to_the_app(glyd_home: Path) -> None:
+    # `glyd run` execs `python -m glyd_app MODEL ...`: --data-dir makes the app print and exit.
+    out = subprocess.run(
+        [sys.executable, "-m", "glyd_engine.cli", "run", "demo", "--data-dir"], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(glyd_home / "data" / "chats.sqlite3")

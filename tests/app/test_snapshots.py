@@ -1,0 +1,166 @@
+"""SVG snapshots of the main screens (pytest-textual-snapshot), on the scripted engine.
+
+Baselines live in __snapshots__/; after a deliberate UI change: `pytest tests/app/test_snapshots.py
+--snapshot-update`, then look at the SVGs. Everything that varies run to run is pinned: GLYD_HOME
+(shown in help), chat timestamps, the progress bar's clock, and cursor blinking.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from helpers import type_text, wait_for
+from scripted import Script, factory
+from textual.clock import MockClock
+from textual.pilot import Pilot
+from textual.widgets import Input, TextArea
+
+from glyd_app.app import GlydApp
+from glyd_app.store import Store
+from glyd_engine.engine.protocol import EngineSettings, Error, Progress
+
+SIZE = (110, 34)
+FIXED_HOME = "/home/you/.glyd"
+
+
+@pytest.fixture
+def make(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("GLYD_HOME", FIXED_HOME)
+
+    def build(script: Script | None = None, store: Store | None = None) -> GlydApp:
+        app = GlydApp(
+            model="demo",
+            settings=EngineSettings(kv="off"),
+            engine_factory=factory(script),
+            store=store or Store(tmp_path / "chats.sqlite3"),
+            export_dir=Path("/home/you"),
+            install_if_missing=False,
+        )
+        app.progress_clock = MockClock()
+        return app
+
+    return build
+
+
+async def _no_toasts(pilot: Pilot) -> None:
+    """Clear the "is ready" toast; notify() posts a message, so let it arrive first."""
+    await pilot.pause(0.1)
+    pilot.app.clear_notifications()
+    await pilot.pause()
+
+
+async def _steady(pilot: Pilot) -> None:
+    for widget in pilot.app.query(TextArea):
+        widget.cursor_blink = False
+    for widget in pilot.app.query(Input):
+        widget.cursor_blink = False
+    await pilot.pause()
+
+
+def test_first_start_progress(make, snap_compare) -> None:  # type: ignore[no-untyped-def]
+    script = Script(
+        start=[
+            Progress("demo-model", "demo model ready", 1, 1, 0.0),
+            Progress("kv-tables", "calibrating over a 4,096-token window", 19, 48, 83.0),
+        ]
+    )
+    app = make(script)
+
+    async def before(pilot: Pilot) -> None:
+        await wait_for(pilot, lambda: app.start_screen is not None and app.start_screen.job == "kv-tables")
+        await _steady(pilot)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=before)
+
+
+def test_chat_with_a_streamed_reply_and_numbers(make, snap_compare) -> None:  # type: ignore[no-untyped-def]
+    app = make()
+
+    async def before(pilot: Pilot) -> None:
+        await wait_for(pilot, lambda: app.engine_state == "ready")
+        await type_text(pilot, "What is the capital of France?")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: not app.chat_screen.busy and app.chat_screen.last_reply() is not None)
+        await _no_toasts(pilot)
+        await _steady(pilot)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=before)
+
+
+def test_model_picker(make, snap_compare, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    store = Store(tmp_path / "chats.sqlite3")
+    store.add_model_dir("/models/Llama-3.2-1B-Instruct")
+    app = make(store=store)
+
+    async def before(pilot: Pilot) -> None:
+        await wait_for(pilot, lambda: app.engine_state == "ready")
+        await _no_toasts(pilot)
+        await pilot.press("f2")
+        await wait_for(pilot, lambda: len(getattr(app.screen, "entries", [])) == 2)
+        await _steady(pilot)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=before)
+
+
+def test_engine_failed_to_load(make, snap_compare) -> None:  # type: ignore[no-untyped-def]
+    error = Error(
+        "not enough memory for the KV cache: it needs 2.1 GiB and 1.2 GiB is free. "
+        "Lower the KV budget (--kv-cache-mib) or pick a smaller model.",
+        "oom",
+        log_path=f"{FIXED_HOME}/cache/logs/engine.log",
+    )
+    app = make(Script(start=[Progress("engine", "Loading the weights", 3, 10, 7.0), error]))
+
+    async def before(pilot: Pilot) -> None:
+        await wait_for(pilot, lambda: app.screen.__class__.__name__ == "EngineFailed")
+        await _steady(pilot)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=before)
+
+
+def test_chat_list(
+    make,
+    snap_compare,
+    tmp_path: Path,  # type: ignore[no-untyped-def]
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("TZ", "UTC")
+    time.tzset()
+    store = Store(tmp_path / "chats.sqlite3")
+    for i, (title, n) in enumerate(
+        [("Paris and other capitals", 4), ("A story about a dragon", 2), ("Fix my Python loop", 6)]
+    ):
+        chat = store.new_chat(title=title)
+        for j in range(n):
+            store.add_message(chat.id, "user" if j % 2 == 0 else "assistant", f"message {j}")
+        store.db.execute(
+            "UPDATE chats SET created = ?, updated = ? WHERE id = ?",
+            (1.7e9 + i * 3600, 1.7e9 + i * 3600, chat.id),
+        )
+    store.db.commit()
+    store.set_state("last_chat", "1")
+    app = make(store=store)
+
+    async def before(pilot: Pilot) -> None:
+        await wait_for(pilot, lambda: app.engine_state == "ready")
+        await _no_toasts(pilot)
+        await pilot.press("f3")
+        await wait_for(pilot, lambda: app.screen.__class__.__name__ == "ChatList")
+        await _steady(pilot)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=before)
+
+
+def test_help(make, snap_compare) -> None:  # type: ignore[no-untyped-def]
+    app = make()
+
+    async def before(pilot: Pilot) -> None:
+        await wait_for(pilot, lambda: app.engine_state == "ready")
+        await _no_toasts(pilot)
+        await pilot.press("f1")
+        await wait_for(pilot, lambda: app.screen.__class__.__name__ == "HelpScreen")
+        await _steady(pilot)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=before)

@@ -1,0 +1,83 @@
+"""The SQLite store: schema migrations, chats and messages, export."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from glyd_app.store import MIGRATIONS, SCHEMA_VERSION, Store, StoreError, title_from
+
+
+def test_fresh_database_is_at_the_latest_schema(tmp_path: Path) -> None:
+    store = Store(tmp_path / "c.sqlite3")
+    assert store.version == SCHEMA_VERSION == len(MIGRATIONS)
+
+
+def test_version_1_database_is_upgraded_keeping_its_chats(tmp_path: Path) -> None:
+    path = tmp_path / "old.sqlite3"
+    db = sqlite3.connect(path)
+    db.executescript(MIGRATIONS[0] + "; PRAGMA user_version = 1;")
+    db.execute("INSERT INTO chats (title, created, updated) VALUES ('old chat', 1, 1)")
+    db.execute("INSERT INTO messages (chat_id, role, content, created) VALUES (1, 'user', 'hi', 1)")
+    db.commit()
+    db.close()
+    store = Store(path)
+    assert store.version == SCHEMA_VERSION
+    [chat] = store.chats()
+    assert chat.title == "old chat"
+    [msg] = store.messages(chat.id)
+    assert (msg.content, msg.status, msg.stats) == ("hi", "done", {})
+
+
+def test_newer_database_is_refused_not_damaged(tmp_path: Path) -> None:
+    path = tmp_path / "new.sqlite3"
+    db = sqlite3.connect(path)
+    db.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    db.close()
+    with pytest.raises(StoreError, match="newer glyd"):
+        Store(path)
+
+
+def test_chats_messages_rename_delete_and_state(tmp_path: Path) -> None:
+    store = Store(tmp_path / "c.sqlite3")
+    chat = store.new_chat(model="demo", temperature=0.2)
+    assert chat.temperature == 0.2
+    store.add_message(chat.id, "user", "hello")
+    reply = store.add_message(chat.id, "assistant", "", status="streaming")
+    store.update_message(reply.id, content="hi there", status="done", stats={"gen_tps": 12.5})
+    assert [(m.role, m.content, m.status) for m in store.messages(chat.id)] == [
+        ("user", "hello", "done"),
+        ("assistant", "hi there", "done"),
+    ]
+    assert store.message(reply.id).stats == {"gen_tps": 12.5}
+    store.rename_chat(chat.id, "  ")
+    assert store.chat(chat.id).title == "Untitled"
+    store.add_model_dir(tmp_path)
+    assert store.model_dirs() == [tmp_path.resolve()]
+    store.set_state("last_chat", str(chat.id))
+    assert store.get_state("last_chat") == str(chat.id)
+    store.delete_chat(chat.id)
+    assert store.chats() == [] and store.messages(chat.id) == []
+    with pytest.raises(StoreError):
+        store.update_chat(chat.id, colour="red")
+
+
+def test_export_markdown_never_overwrites(tmp_path: Path) -> None:
+    store = Store(tmp_path / "c.sqlite3")
+    chat = store.new_chat(title="Paris & co", system_prompt="Be brief.")
+    store.add_message(chat.id, "user", "Capital of France?")
+    store.add_message(chat.id, "assistant", "Paris.", status="stopped")
+    first = store.export_to(chat.id, tmp_path / "out")
+    second = store.export_to(chat.id, tmp_path / "out")
+    assert first.name == "glyd-paris-co.md" and second.name == "glyd-paris-co-2.md"
+    text = first.read_text()
+    assert text.startswith("# Paris & co")
+    assert "Be brief." in text and "## You\n\nCapital of France?" in text
+    assert "## Assistant *(stopped)*\n\nParis." in text
+
+
+def test_title_from_first_line() -> None:
+    assert title_from("\n  Hello   world \nmore") == "Hello world"
+    assert len(title_from("x" * 100)) == 48
