@@ -130,11 +130,12 @@ def ensure_kv_tables(model_dir: Path, settings: EngineSettings, emit: Any, cance
     """
     if settings.kv == "off" or os.environ.get("GLYD_ENGINE_BACKEND") == "echo":
         return
-    try:
-        from glyd_engine.tables import ensure_tables
+    try:  # the tables serve only the plugin's KV cache: without it they would cost minutes for nothing
+        from glyd_engine.vllm_plugin import kv_status  # noqa: F401
     except ImportError as exc:
-        log.info("KV tables skipped: glyd_engine.tables has no ensure_tables yet (%s)", exc)
+        log.info("KV tables skipped: Glyd's KV cache plugin is not available (%s); vLLM's own cache is used", exc)
         return
+    from glyd_engine.tables import ensure_tables
 
     def progress(ev: ProgressEvent) -> None:
         emit(Progress(ev.job, ev.phase, ev.done, ev.total, ev.eta_s))
