@@ -29,12 +29,12 @@ class Glyd < Formula
 
   resource "markdown-it-py" do
     url "https://files.pythonhosted.org/packages/source/m/markdown-it-py/markdown_it_py-4.3.0.tar.gz"
-    sha256 "0000000000000000000000000000000000000000000000000000000000000000" # update-python-resources
+    sha256 "91a58fa5b72c71a40cf7177250fd767480d7a2bb3ac426ccfb76fb90305fdaaa"
   end
 
   resource "mdit-py-plugins" do
     url "https://files.pythonhosted.org/packages/source/m/mdit-py-plugins/mdit_py_plugins-0.7.0.tar.gz"
-    sha256 "0000000000000000000000000000000000000000000000000000000000000000" # update-python-resources
+    sha256 "26d2179227aaf4d1dc7acffe7a738cbd15cade6b5a61cff0a2cbf9fed93efede"
   end
 
   resource "mdurl" do
@@ -49,22 +49,22 @@ class Glyd < Formula
 
   resource "pygments" do
     url "https://files.pythonhosted.org/packages/source/p/pygments/pygments-2.21.0.tar.gz"
-    sha256 "0000000000000000000000000000000000000000000000000000000000000000" # update-python-resources
+    sha256 "610ca751c9bc2492b38eb9a38a7fbc93edbbb2d7182edaf34e66ae493dee5c8c"
   end
 
   resource "rich" do
     url "https://files.pythonhosted.org/packages/source/r/rich/rich-15.0.0.tar.gz"
-    sha256 "0000000000000000000000000000000000000000000000000000000000000000" # update-python-resources
+    sha256 "edd07a4824c6b40189fb7ac9bc4c52536e9780fbbfbddf6f1e2502c31b068c36"
   end
 
   resource "textual" do
     url "https://files.pythonhosted.org/packages/source/t/textual/textual-8.2.8.tar.gz"
-    sha256 "0000000000000000000000000000000000000000000000000000000000000000" # update-python-resources
+    sha256 "3f106a9fbc73e39dd266c9712432087de78a6d644084c7c241d6a25c3169115b"
   end
 
   resource "typing-extensions" do
     url "https://files.pythonhosted.org/packages/source/t/typing-extensions/typing_extensions-4.16.0.tar.gz"
-    sha256 "0000000000000000000000000000000000000000000000000000000000000000" # update-python-resources
+    sha256 "dc983d19a509c94dba722ee6abd33940f7c05a89e243c47e907eb4db6f1a43e5"
   end
 
   resource "uc-micro-py" do
