@@ -1,7 +1,7 @@
 """Atomic file writes: a file appears complete under its final name, or not at all.
 
 Writes go to a temporary file in the same directory, are fsynced, then renamed. A full disk or a crash
-leaves only a `*.tmp-*` file, which readers never open and `cleanup_stale` removes.
+leaves only a `.NAME.tmp-*` file, which readers never open and a later write removes once stale.
 """
 
 from __future__ import annotations
@@ -27,11 +27,27 @@ def _explain(path: Path, exc: OSError) -> OSError:
     return exc
 
 
+STALE_AFTER_S = 24 * 3600  # a temporary file this old belongs to a writer that died (killed, power cut)
+
+
+def remove_stale(path: Path) -> None:
+    """Delete leftovers of earlier writes to `path` whose writer never finished."""
+    import time
+
+    for old in path.parent.glob(f".{path.name}.tmp-*"):
+        try:
+            if time.time() - old.stat().st_mtime > STALE_AFTER_S:
+                shutil.rmtree(old) if old.is_dir() else old.unlink()
+        except OSError:
+            pass  # another process got there first, or it is not ours to remove
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
     """Yield a temporary path next to `path`; on success it is renamed over `path`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
     os.close(fd)
     tmp_path = Path(tmp)
@@ -58,6 +74,7 @@ def atomic_dir(path: str | os.PathLike[str]) -> Iterator[Path]:
     """Yield a temporary directory next to `path`; on success it replaces `path` whole."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale(path)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
         yield tmp

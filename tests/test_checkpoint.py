@@ -138,3 +138,19 @@ def test_full_disk_leaves_nothing(tiny, tmp_path, monkeypatch):
 def test_existing_destination_is_not_overwritten(tiny, packed):
     with pytest.raises(GlydError, match="not empty"):
         pack_model(tiny, packed)
+
+
+def test_stale_temporaries_of_a_dead_writer_are_removed(tmp_path):
+    import time
+
+    from glyd_engine.atomic import STALE_AFTER_S, atomic_write_bytes
+
+    target = tmp_path / "file.bin"
+    stale = tmp_path / ".file.bin.tmp-dead"
+    fresh = tmp_path / ".file.bin.tmp-live"
+    stale.write_bytes(b"x")
+    fresh.write_bytes(b"y")
+    old = time.time() - STALE_AFTER_S - 10
+    os.utime(stale, (old, old))
+    atomic_write_bytes(target, b"data")
+    assert target.read_bytes() == b"data" and not stale.exists() and fresh.exists()
