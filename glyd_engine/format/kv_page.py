@@ -104,12 +104,14 @@ def _pack_codes(codes: torch.Tensor) -> torch.Tensor:
     return torch.stack(planes, dim=-2).to(torch.uint8)
 
 
+_BITS = ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).to(torch.uint8)  # byte -> its 8 bits
+
+
 def _unpack_codes(planes: torch.Tensor) -> torch.Tensor:
     """[..., 3, D/8] bit-plane bytes -> [..., D] codes (int64)."""
-    p = planes.to(torch.int64)
-    bits = (p.unsqueeze(-1) >> torch.arange(8)) & 1  # [..., 3, D/8, 8]
+    bits = _BITS[planes.to(torch.int64)]  # [..., 3, D/8, 8]
     codes = bits[..., 0, :, :] | (bits[..., 1, :, :] << 1) | (bits[..., 2, :, :] << 2)
-    return codes.reshape(*planes.shape[:-2], planes.shape[-1] * 8)
+    return codes.reshape(*planes.shape[:-2], planes.shape[-1] * 8).to(torch.int64)
 
 
 OVERFLOW_MIN_RUN = 16  # bytes: the smallest overflow run; runs double as a page's overflow grows
