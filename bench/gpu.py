@@ -1,0 +1,385 @@
+"""GPU benchmark of the compressed-KV kernels at Qwen3-8B shapes (one call of the device tool runs it all).
+
+Shapes: 32 query heads, 8 KV heads, head 128, block 16 (one attention layer). K/V come from the demo
+model's recordings (bench/kv_samples/smollm2_kv.safetensors, made by make_samples.py): token rows are
+resampled per KV head and the 64 recorded channels tiled to 128, so every channel's exponent statistics are
+the model's; the exponent tables (top 7 per channel) and the escape reserve come from the same samples.
+
+It measures, in one run: the copy bandwidth; correctness (decoded pages bit for bit against the bf16
+source, attention against an fp32 reference, the same bits twice); then for batch x context, decode
+attention of (a) our kernel on compressed pages, (b) vLLM 0.33's Triton unified attention on bf16 pages
+(carried under .baseline/, see /work/shared/tools/vllm-triton-baseline), (c) torch SDPA on contiguous bf16,
+each timed under CUDA graphs (median, inputs rotated when they would fit in L2); and page-write throughput.
+
+Run (device):  PYTHONUNBUFFERED=1 python3 bench/gpu.py --out $OUT
+Smoke (CPU):   TRITON_INTERPRET=1 .venv/bin/python bench/gpu.py --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / ".baseline"))
+
+import torch  # noqa: E402
+
+from glyd_engine.format import bf16  # noqa: E402
+from glyd_engine.format.kv_page import ESCAPE, KVPageLayout, encode_table  # noqa: E402
+from glyd_engine.tables.build import counts_to_tables  # noqa: E402
+from kernels.kv_decode_attention import decode_pages, kv_decode_attention, num_splits_for, pack_tables  # noqa: E402
+from kernels.kv_page_write import DeviceOverflowStore, PageWriter  # noqa: E402
+
+HQ, H, D, B = 32, 8, 128, 16
+SAMPLES = ROOT / "bench" / "kv_samples" / "smollm2_kv.safetensors"
+LOG: dict[str, object] = {}
+
+
+def log(key: str, value: object, out: Path | None) -> None:
+    LOG[key] = value
+    if out is not None:
+        (out / "gpu_bench.json").write_text(json.dumps(LOG, indent=1, default=str))
+
+
+class Source:
+    """Resamples recorded K/V rows into [N, 8, 128] bf16 with the recorded per-channel statistics."""
+
+    def __init__(self, layer: int, device: str, gen: torch.Generator) -> None:
+        from safetensors.torch import load_file
+
+        rec = load_file(str(SAMPLES))
+        tiled = []
+        for kv in ("k", "v"):
+            x = rec[f"{kv}{layer}"]  # [T, 3, 64]
+            heads = []
+            for h in range(H):  # head h, channel c <- recorded head (h + c // 64) % 3, channel c % 64
+                heads.append(torch.cat([x[:, h % 3], x[:, (h + 1) % 3]], dim=-1))
+            tiled.append(torch.stack(heads, dim=1).to(device))  # [T, 8, 128]
+        self.k, self.v = tiled
+        self.n = self.k.shape[0]
+        self.gen = gen
+        self.device = device
+
+    def draw(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = torch.randint(0, self.n, (n, H), generator=self.gen, device="cpu").to(self.device)
+        hh = torch.arange(H, device=self.device).view(1, H)
+        return self.k[idx, hh], self.v[idx, hh]
+
+    def tables(self, margin: float = 1.3) -> tuple[torch.Tensor, int, int]:
+        counts = torch.zeros(1, 2, H, D, 256, dtype=torch.int64)
+        for kv, x in enumerate((self.k, self.v)):
+            e, _ = bf16.split(x.cpu())
+            counts[0, kv] = torch.nn.functional.one_hot(e.to(torch.int64), 256).sum(0)
+        decode, _, _ = counts_to_tables(counts)
+        c = counts.to(torch.float64)
+        top = torch.topk(c, 7, dim=-1).values.sum(-1)
+        per_token = (1 - top / c.sum(-1)).sum(-1)  # [1, 2, H]: mean escapes a token
+        res = [max(1, math.ceil(margin * float(per_token[0, kv].max()))) for kv in (0, 1)]
+        return decode[0], res[0], res[1]
+
+
+def bench_fn(fn, graphs: bool) -> float:  # noqa: ANN001
+    """Median ms of fn, replayed from a CUDA graph when `graphs`."""
+    import triton.testing as tt
+
+    if graphs:
+        return float(tt.do_bench_cudagraph(fn, rep=60, return_mode="median"))
+    return float(tt.do_bench(fn, warmup=10, rep=60, return_mode="median"))
+
+
+def copy_bandwidth(dev: str) -> float:
+    import triton.testing as tt
+
+    n = 2 << 30
+    a = torch.empty(n, dtype=torch.uint8, device=dev).random_(0, 255)
+    b = torch.empty_like(a)
+    ms = tt.do_bench(lambda a=a, b=b: b.copy_(a), warmup=5, rep=50, return_mode="median")
+    return 2 * n / ms / 1e9  # TB/s: bytes / (ms * 1e-3) / 1e12
+
+
+def check_decode(checks, gen, nblocks, dev, cache, lay, tab, ovf, k_pool, v_pool) -> None:  # noqa: ANN001
+    """Decoded pages (the attention kernel's decoder) against the bf16 source, bit for bit."""
+    blocks = torch.randperm(nblocks, generator=gen)[: min(nblocks, 4096)].to(dev)
+    dk, dv = decode_pages(cache, lay, tab, blocks, ovf)
+    checks["decode_pages_checked"] = int(blocks.numel())
+    checks["decode_bit_exact"] = bool(
+        torch.equal(dk.view(torch.int16), k_pool[blocks].transpose(1, 2).view(torch.int16))
+        and torch.equal(dv.view(torch.int16), v_pool[blocks].transpose(1, 2).view(torch.int16)))
+    held = (ovf.ptr >= 0).any(-1).any(-1).nonzero().flatten()  # every block with an overflow run
+    if held.numel():
+        held = held[:65536]
+        dk, dv = decode_pages(cache, lay, tab, held, ovf)
+        checks["overflow_blocks_checked"] = int(held.numel())
+        checks["overflow_blocks_bit_exact"] = bool(
+            torch.equal(dk.view(torch.int16), k_pool[held].transpose(1, 2).view(torch.int16))
+            and torch.equal(dv.view(torch.int16), v_pool[held].transpose(1, 2).view(torch.int16)))
+
+
+def main() -> None:  # noqa: C901, PLR0915
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT"))
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, CPU interpreter, no timing")
+    ap.add_argument("--batches", default="1,8,32,64,128")
+    ap.add_argument("--contexts", default="1024,8192,32768")
+    ap.add_argument("--layer", type=int, default=15)
+    args = ap.parse_args()
+    out = Path(args.out) if args.out else None
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+    smoke = args.smoke
+    dev = "cpu" if smoke else "cuda"
+    batches = [1, 2] if smoke else [int(x) for x in args.batches.split(",")]
+    contexts = [40, 300] if smoke else [int(x) for x in args.contexts.split(",")]
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    info = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "torch": torch.__version__}
+    import triton
+
+    info["triton"] = triton.__version__
+    if not smoke:
+        p = torch.cuda.get_device_properties(0)
+        info.update(gpu=p.name, sms=p.multi_processor_count, mem_gb=round(p.total_memory / 2**30, 1))
+    print("env", info)
+    log("env", info, out)
+
+    copy_tbs = None
+    if not smoke:
+        copy_tbs = copy_bandwidth(dev)
+        print(f"copy bandwidth {copy_tbs:.2f} TB/s (read + write)")
+        log("copy_TBps", copy_tbs, out)
+
+    src = Source(args.layer, dev, gen)
+    dec, e_k, e_v = src.tables()
+    lay = KVPageLayout(D, B, e_k, e_v)
+    dec_dev = dec.to(dev)
+    tab = pack_tables(dec_dev)
+    writer = PageWriter(lay, dec_dev)
+    print(f"layout: E_k={e_k} E_v={e_v} C={lay.token_bytes} B/token/head, {8 * lay.token_bytes / (2 * D):.3f} bits "
+          f"a value, {4 * D / lay.token_bytes:.3f}x tokens vs bf16")
+    log("layout", {"E_k": e_k, "E_v": e_v, "token_bytes": lay.token_bytes, "page_bytes": lay.page_bytes}, out)
+
+    # Escape statistics of the generated data (per value).
+    kx, vx = src.draw(4096)
+    enc = encode_table(dec)
+    for kv, x in ((0, kx), (1, vx)):
+        e, _ = bf16.split(x.cpu())
+        idx = (torch.arange(H).view(1, H, 1) * D + torch.arange(D)) * 256 + e.to(torch.int64)
+        rate = float((torch.take(enc[kv], idx) == ESCAPE).float().mean())
+        log(f"escape_rate_{'kv'[kv]}", rate, out)
+        print(f"escape rate {'KV'[kv]}: {rate:.4f}")
+
+    # --- the pools: every combination takes its blocks from one pool --------------------------------
+    max_tokens = max(batches) * max(contexts)
+    nblocks = max_tokens // B + 64
+    cache = torch.empty(nblocks, H, lay.page_bytes, dtype=torch.uint8, device=dev)
+    k_pool = torch.empty(nblocks, B, H, D, dtype=torch.bfloat16, device=dev)
+    v_pool = torch.empty_like(k_pool)
+    ovf = DeviceOverflowStore(nblocks, H, device=dev)
+    chunk_blocks = 64 if smoke else 4096
+    t0 = time.time()
+    for b0 in range(0, nblocks, chunk_blocks):
+        nb = min(chunk_blocks, nblocks - b0)
+        k, v = src.draw(nb * B)
+        k_pool[b0 : b0 + nb] = k.view(nb, B, H, D)
+        v_pool[b0 : b0 + nb] = v.view(nb, B, H, D)
+        writer.write(cache, ovf, k, v, torch.arange(b0 * B, (b0 + nb) * B, device=dev))
+    if not smoke:
+        torch.cuda.synchronize()
+    log("pool", {"blocks": nblocks, "seconds": time.time() - t0, "overflow_values": writer.counters.overflow_values,
+                 "overflow_runs": ovf.runs_in_use, "overflow_bytes": ovf.bytes_held,
+                 "values": writer.counters.values}, out)
+    print(f"pool: {nblocks} blocks in {time.time() - t0:.1f} s; overflow values {writer.counters.overflow_values} "
+          f"({ovf.runs_in_use} runs, {ovf.bytes_held} B) of {writer.counters.values}")
+
+    # --- correctness ---------------------------------------------------------------------------------
+    checks: dict[str, object] = {}
+    try:
+        check_decode(checks, gen, nblocks, dev, cache, lay, tab, ovf, k_pool, v_pool)
+    except Exception as exc:  # noqa: BLE001
+        checks["error"] = repr(exc)[:300]
+        traceback.print_exc()
+    print("checks", checks)
+    log("checks", checks, out)
+
+    try:
+        from vllm.v1.attention.ops.triton_unified_attention import unified_attention
+    except Exception as exc:  # noqa: BLE001
+        unified_attention = None
+        print("vLLM baseline unavailable:", exc)
+        log("vllm_error", repr(exc), out)
+
+    scale = D ** -0.5
+
+    def make_case(S: int, L: int, first_block: int):  # noqa: ANN202
+        nbs = (L + B - 1) // B
+        bt = (first_block + torch.randperm(S * nbs, generator=gen).view(S, nbs)).to(torch.int32).to(dev)
+        lens = torch.full((S,), L, dtype=torch.int32, device=dev)
+        q = torch.randn(S, HQ, D, generator=gen).to(torch.bfloat16).to(dev)
+        return bt, lens, q
+
+    def ours(q, bt, lens, L, out_t, pages=2, warps=4):  # noqa: ANN001, ANN202
+        return lambda: kv_decode_attention(q, cache, lay, tab, bt, lens, L, scale, ovf, out=out_t, pages=pages,
+                                           num_warps=warps)
+
+    def vllm_fn(q, bt, lens, L, out_t, scratch):  # noqa: ANN001, ANN202
+        S = q.shape[0]
+        cu = torch.arange(S + 1, dtype=torch.int32, device=dev)
+        so, sm, se = scratch
+        return lambda: unified_attention(q, k_pool, v_pool, out_t, cu, 1, lens, L, scale, True, (-1, -1), bt, 0,
+                                         None, None, None, seq_threshold_3D=128 // H, num_par_softmax_segments=16,
+                                         softmax_segm_output=so, softmax_segm_max=sm, softmax_segm_expsum=se)
+
+    def scratch_for(S: int):  # noqa: ANN202
+        return (torch.empty(S, HQ, 16, D, dtype=torch.float32, device=dev),
+                torch.empty(S, HQ, 16, dtype=torch.float32, device=dev),
+                torch.empty(S, HQ, 16, dtype=torch.float32, device=dev))
+
+    def ref_fp32(q, bt, L):  # noqa: ANN001, ANN202
+        S = q.shape[0]
+        k = k_pool[bt.long()].reshape(S, -1, H, D)[:, :L].float()
+        v = v_pool[bt.long()].reshape(S, -1, H, D)[:, :L].float()
+        k = k.repeat_interleave(HQ // H, dim=2)
+        v = v.repeat_interleave(HQ // H, dim=2)
+        s = torch.einsum("shd,slhd->shl", q.float(), k) * scale
+        return torch.einsum("shl,slhd->shd", torch.softmax(s, -1), v)
+
+    # accuracy at a few shapes, poisoned outputs, two runs
+    acc_rows = []
+    for S, L in ([(2, 40), (1, 300)] if smoke else [(8, 1024), (2, 32768), (64, 2000)]):
+        bt, lens, q = make_case(S, L, 0)
+        ref = ref_fp32(q, bt, L)
+        row = {"batch": S, "context": L}
+        try:
+            o1 = torch.full_like(q, float("nan"))
+            ours(q, bt, lens, L, o1)()
+            o2 = torch.full_like(q, float("nan"))
+            ours(q, bt, lens, L, o2)()
+            row["ours_rel_err"] = float((o1.float() - ref).norm() / ref.norm())
+            row["ours_nan"] = bool(o1.isnan().any())
+            row["ours_deterministic"] = bool(torch.equal(o1.view(torch.int16), o2.view(torch.int16)))
+        except Exception as exc:  # noqa: BLE001
+            row["ours_error"] = repr(exc)[:300]
+            traceback.print_exc()
+        if unified_attention is not None:
+            try:
+                ov = torch.full_like(q, float("nan"))
+                vllm_fn(q, bt, lens, L, ov, scratch_for(S))()
+                row["vllm_rel_err"] = float((ov.float() - ref).norm() / ref.norm())
+            except Exception as exc:  # noqa: BLE001
+                row["vllm_error"] = repr(exc)[:300]
+                traceback.print_exc()
+        acc_rows.append(row)
+        print("accuracy", row)
+    log("accuracy", acc_rows, out)
+    if smoke:
+        print("smoke ok")
+        return
+
+    # quick tune of (pages per iteration, warps) at batch 32 x 8k
+    tune = {}
+    S, L = (32, 8192) if 32 in batches and 8192 in contexts else (batches[-1], contexts[-1])
+    bt, lens, q = make_case(S, L, 0)
+    o = torch.empty_like(q)
+    for pages, warps in ((1, 4), (2, 4), (4, 4), (2, 8), (4, 8)):
+        try:
+            tune[f"p{pages}w{warps}"] = bench_fn(ours(q, bt, lens, L, o, pages, warps), True)
+        except Exception as exc:  # noqa: BLE001
+            tune[f"p{pages}w{warps}"] = repr(exc)[:200]
+    print(f"tune (ms at batch {S} x {L}):", tune)
+    log("tune", tune, out)
+    best = min((k for k in tune if isinstance(tune[k], float)), key=lambda k: tune[k])
+    pages, warps = int(best[1]), int(best[3:])
+
+    rows = []
+    l2 = 60e6
+    for S in batches:
+        for L in contexts:
+            row: dict[str, object] = {"batch": S, "context": L}
+            try:
+                nbs = (L + B - 1) // B
+                comp_bytes = S * nbs * H * lay.page_bytes
+                bf_bytes = S * L * H * D * 4
+                rot = max(1, min(16, math.ceil(4 * l2 / comp_bytes)))
+                first = 0
+                cases = []
+                for _ in range(rot):
+                    cases.append(make_case(S, L, first))
+                    first += S * nbs
+                    if first + S * nbs > nblocks:
+                        first = 0
+                outs = [torch.empty_like(c[2]) for c in cases]
+                fns = [ours(q, bt, lens, L, o, pages, warps) for (bt, lens, q), o in zip(cases, outs, strict=True)]
+                row["splits"] = num_splits_for(S, H, L, B, pages)
+                row["ours_ms"] = bench_fn(lambda fns=fns: [f() for f in fns], True) / rot
+                row["ours_TBps"] = comp_bytes / row["ours_ms"] / 1e9
+                if unified_attention is not None:
+                    sc = scratch_for(S)
+                    vf = [vllm_fn(q, bt, lens, L, o, sc) for (bt, lens, q), o in zip(cases, outs, strict=True)]
+                    row["vllm_ms"] = bench_fn(lambda vf=vf: [f() for f in vf], True) / rot
+                    row["vllm_TBps"] = bf_bytes / row["vllm_ms"] / 1e9
+                # SDPA on contiguous bf16 (one copy; rotation only where it is small)
+                srot = rot if bf_bytes * rot < 8e9 else 1
+                sd = []
+                for bt, _lens, q in cases[:srot]:
+                    kc = k_pool[bt.long()].reshape(S, -1, H, D)[:, :L].transpose(1, 2).contiguous()
+                    vc = v_pool[bt.long()].reshape(S, -1, H, D)[:, :L].transpose(1, 2).contiguous()
+                    sd.append((q.view(S, HQ, 1, D), kc, vc))
+
+                def sdpa(sd=sd):  # noqa: ANN001, ANN202
+                    for qq, kc, vc in sd:
+                        torch.nn.functional.scaled_dot_product_attention(qq, kc, vc, scale=scale, enable_gqa=True)
+                row["sdpa_ms"] = bench_fn(sdpa, True) / len(sd)
+                del sd
+                row["speedup_vs_vllm"] = row.get("vllm_ms", float("nan")) / row["ours_ms"]
+                row["ours_frac_copy"] = row["ours_TBps"] / copy_tbs
+            except Exception as exc:  # noqa: BLE001
+                row["error"] = repr(exc)[:300]
+                traceback.print_exc()
+            torch.cuda.empty_cache()
+            rows.append(row)
+            print("row", {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()})
+            log("rows", rows, out)
+
+    # page writes: a prefill run of 32k tokens, and 128 single decode tokens
+    writes = {}
+    try:
+        T = 32768
+        k, v = src.draw(T)
+        slots = torch.arange(T, device=dev) + B * 64
+        writes["prefill_ms"] = bench_fn(lambda: writer.launch(cache, k, v, slots), False)
+        writes["prefill_GBps_bf16_in"] = 2 * k.numel() * 2 / writes["prefill_ms"] / 1e6
+        k1, v1 = src.draw(128)
+        s1 = (torch.randperm(nblocks - 64, generator=gen)[:128] * B + 5).to(dev)
+        writes["decode128_ms"] = bench_fn(lambda: writer.launch(cache, k1, v1, s1), True)
+    except Exception as exc:  # noqa: BLE001
+        writes["error"] = repr(exc)[:300]
+        traceback.print_exc()
+    print("writes", writes)
+    log("writes", writes, out)
+
+    print(f"\n== {info.get('gpu')} {info['date']} copy {copy_tbs:.2f} TB/s; C={lay.token_bytes} B/token/head "
+          f"({8 * lay.token_bytes / (2 * D):.2f} bits/value); kernel config {best}")
+    print(f"{'batch':>5} {'ctx':>6} {'ours ms':>8} {'vllm ms':>8} {'sdpa ms':>8} {'x vllm':>7} {'ours TB/s':>9} "
+          f"{'%copy':>6} {'splits':>6}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['batch']:>5} {r['context']:>6} error {r['error'][:80]}")
+            continue
+        print(f"{r['batch']:>5} {r['context']:>6} {r['ours_ms']:>8.4f} {r.get('vllm_ms', float('nan')):>8.4f} "
+              f"{r['sdpa_ms']:>8.4f} {r['speedup_vs_vllm']:>7.2f} {r['ours_TBps']:>9.2f} "
+              f"{100 * r['ours_frac_copy']:>5.0f}% {r['splits']:>6}")
+    print("accuracy", acc_rows)
+    print("checks", checks, "writes", writes)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,248 @@
+"""Appending K/V tokens into Glyd's compressed KV pages (docs/format.md section 2), in Triton.
+
+Two launches over (token, KV head), K and V in the same program:
+
+1. `_write_rows_kernel`: split each bf16 value into exponent and sign/mantissa, code the exponent
+   against the channel's 7-entry table (7 = escape), write the token's sign/mantissa row and its 3
+   code-plane rows. Rows of one page written by one call do not depend on each other here.
+2. `_write_escapes_kernel`: once every code row of the call is in place, each token counts the escapes
+   of its page's rows before it (popcounts of plane0 & plane1 & plane2 bytes), adds its in-row prefix
+   count, and stores its escape exponents at those ranks in the page's escape area. Ranks at or past
+   the reserve are not stored: they are counted (`stats[kv]`) and their row's first rank is kept.
+
+Escapes past the reserve (the overflow path: rare, the lossless path for adversarial prompts) are then
+written by torch in `write_pages` into a `DeviceOverflowStore` (OverflowStore whose arena lives on the
+device): `overflow_values` counts them. With `check_overflow=False` the call never synchronises (CUDA
+graphs): the caller must then read `stats` itself and call `finish_overflow`.
+
+The torch reference is `glyd_engine.format.kv_page.KVPageCodec.write`; pages written here are byte for
+byte the reference's (tests/kernels/test_kv_page_write.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import triton
+import triton.language as tl
+
+from glyd_engine.format import bf16
+from glyd_engine.format.kv_page import ESCAPE, OVERFLOW_MIN_RUN, KVPageLayout, OverflowStore, encode_table
+
+
+@dataclass
+class DeviceOverflowStore(OverflowStore):
+    """OverflowStore with `ptr` and `arena` on a device (the kernels read them there)."""
+
+    device: str | torch.device = "cpu"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.ptr = self.ptr.to(self.device)
+        self.arena = self.arena.to(self.device)
+
+    def _take(self, size: int) -> int:
+        runs = self.free.get(size)
+        if runs:
+            return runs.pop()
+        if self._top + size > self.arena.numel():
+            grow = max(self._top + size - self.arena.numel(), self.arena.numel(), 4096)
+            self.arena = torch.cat([self.arena, torch.zeros(grow, dtype=torch.uint8, device=self.arena.device)])
+            self.grows += 1
+        self._top += size
+        return self._top - size
+
+
+@dataclass
+class WriteCounters:
+    calls: int = 0
+    values: int = 0
+    overflow_values: int = 0  # escapes that went to the overflow store through torch
+    overflow_calls: int = 0   # calls that took the torch overflow path
+    extra: dict[str, int] = field(default_factory=dict)
+
+
+@triton.jit
+def _codes(x_ptr, tab_ptr, D: tl.constexpr):
+    """bf16 row [D] -> (exponent int32, sign/mantissa int32, code int32) against its 7-entry tables."""
+    d = tl.arange(0, D)
+    bits = tl.load(x_ptr + d).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    e = (bits >> 7) & 0xFF
+    sm = ((bits >> 8) & 0x80) | (bits & 0x7F)
+    code = tl.full([D], 7, tl.int32)
+    for c in tl.static_range(6, -1, -1):  # reversed: were an exponent listed twice, the first code wins
+        tv = tl.load(tab_ptr + d * 7 + c).to(tl.int32)
+        code = tl.where(e == tv, c, code)
+    return e, sm, code
+
+
+@triton.jit
+def _write_rows_kernel(key_ptr, val_ptr, slots_ptr, dec_ptr, cache_ptr, stride_x0, stride_x1, page_bytes,
+                       num_kv_heads, D: tl.constexpr, B: tl.constexpr, K_SM: tl.constexpr, V_SM: tl.constexpr,
+                       K_CODE: tl.constexpr, V_CODE: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = tl.load(slots_ptr + t)
+    if slot >= 0:
+        blk = slot // B
+        off = slot % B
+        page = cache_ptr + (blk * num_kv_heads + h) * page_bytes
+        d = tl.arange(0, D)
+        j = tl.arange(0, D // 8)
+        b = tl.arange(0, 8)
+        for kv in tl.static_range(2):
+            x_ptr = (key_ptr if kv == 0 else val_ptr) + t.to(tl.int64) * stride_x0 + h * stride_x1
+            e, sm, code = _codes(x_ptr, dec_ptr + (kv * num_kv_heads + h) * D * 7, D)
+            SM = K_SM if kv == 0 else V_SM
+            CO = K_CODE if kv == 0 else V_CODE
+            tl.store(page + SM + off * D + d, sm.to(tl.uint8))
+            c2 = tl.reshape(code, (D // 8, 8))
+            for p in tl.static_range(3):
+                byte = tl.sum(((c2 >> p) & 1) << b[None, :], axis=1)
+                tl.store(page + CO + off * (3 * D // 8) + p * (D // 8) + j, byte.to(tl.uint8))
+
+
+@triton.jit
+def _popc8(x):
+    x = x - ((x >> 1) & 0x55)
+    x = (x & 0x33) + ((x >> 2) & 0x33)
+    return (x + (x >> 4)) & 0x0F
+
+
+@triton.jit
+def _write_escapes_kernel(key_ptr, val_ptr, slots_ptr, dec_ptr, cache_ptr, stats_ptr, first_rank_ptr,
+                          stride_x0, stride_x1, page_bytes, num_kv_heads,
+                          D: tl.constexpr, B: tl.constexpr, K_CODE: tl.constexpr, V_CODE: tl.constexpr,
+                          K_ESC: tl.constexpr, V_ESC: tl.constexpr, K_RES: tl.constexpr, V_RES: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = tl.load(slots_ptr + t)
+    if slot >= 0:
+        blk = slot // B
+        off = slot % B
+        page = cache_ptr + (blk * num_kv_heads + h) * page_bytes
+        r = tl.arange(0, B)
+        j = tl.arange(0, D // 8)
+        for kv in tl.static_range(2):
+            x_ptr = (key_ptr if kv == 0 else val_ptr) + t.to(tl.int64) * stride_x0 + h * stride_x1
+            e, sm, code = _codes(x_ptr, dec_ptr + (kv * num_kv_heads + h) * D * 7, D)
+            CO = K_CODE if kv == 0 else V_CODE
+            ESC = K_ESC if kv == 0 else V_ESC
+            RES = K_RES if kv == 0 else V_RES
+            rows = page + CO + r[:, None] * (3 * D // 8) + j[None, :]
+            before = (r < off)[:, None]
+            p0 = tl.load(rows, mask=before, other=0).to(tl.int32)
+            p1 = tl.load(rows + D // 8, mask=before, other=0).to(tl.int32)
+            p2 = tl.load(rows + 2 * (D // 8), mask=before, other=0).to(tl.int32)
+            base = tl.sum(tl.sum(_popc8(p0 & p1 & p2), axis=1), axis=0)
+            flags = (code == 7).to(tl.int32)
+            rank = base + tl.cumsum(flags, axis=0) - flags
+            is_esc = flags != 0
+            tl.store(page + ESC + rank, e.to(tl.uint8), mask=is_esc & (rank < RES))
+            n_over = tl.sum((is_esc & (rank >= RES)).to(tl.int32), axis=0)
+            tl.store(first_rank_ptr + (t.to(tl.int64) * num_kv_heads + h) * 2 + kv, base)
+            if n_over > 0:
+                tl.atomic_add(stats_ptr + kv, n_over)
+
+
+def _offsets(layout: KVPageLayout) -> dict[str, int]:
+    return {"K_SM": layout.sm_offset(0), "V_SM": layout.sm_offset(1), "K_CODE": layout.code_offset(0),
+            "V_CODE": layout.code_offset(1), "K_ESC": layout.esc_offset(0), "V_ESC": layout.esc_offset(1),
+            "K_RES": layout.reserve(0), "V_RES": layout.reserve(1)}
+
+
+class PageWriter:
+    """Write path of one layer: decode table uint8 [2, H, D, 7] on the cache's device, and scratch."""
+
+    def __init__(self, layout: KVPageLayout, decode_table: torch.Tensor) -> None:
+        if layout.head_size & (layout.head_size - 1) or layout.head_size < 8:
+            raise ValueError(f"the Triton page writer needs a power-of-two head size, not {layout.head_size}")
+        if layout.block_size & (layout.block_size - 1):
+            raise ValueError(f"the Triton page writer needs a power-of-two block size, not {layout.block_size}")
+        self.layout = layout
+        self.dec = decode_table.contiguous()
+        self.enc = encode_table(decode_table.cpu()).to(decode_table.device)
+        self.counters = WriteCounters()
+
+    def launch(self, cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both kernels; returns (stats int32 [2]: escapes past the reserve for K, V; first_rank [T, H, 2])."""
+        lay = self.layout
+        T, H, D = key.shape
+        if value.stride() != key.stride():
+            value = value.contiguous()
+            key = key.contiguous()
+        stats = torch.zeros(2, dtype=torch.int32, device=cache.device)
+        first = torch.empty(T, H, 2, dtype=torch.int32, device=cache.device)
+        if T == 0:
+            return stats, first
+        slots = slots.to(torch.int64).contiguous()
+        offs = _offsets(lay)
+        _write_rows_kernel[(T, H)](key, value, slots, self.dec, cache, key.stride(0), key.stride(1),
+                                   lay.page_bytes, H, D=D, B=lay.block_size, K_SM=offs["K_SM"], V_SM=offs["V_SM"],
+                                   K_CODE=offs["K_CODE"], V_CODE=offs["V_CODE"], num_warps=1)
+        _write_escapes_kernel[(T, H)](key, value, slots, self.dec, cache, stats, first, key.stride(0),
+                                      key.stride(1), lay.page_bytes, H, D=D, B=lay.block_size,
+                                      K_CODE=offs["K_CODE"], V_CODE=offs["V_CODE"], K_ESC=offs["K_ESC"],
+                                      V_ESC=offs["V_ESC"], K_RES=offs["K_RES"], V_RES=offs["V_RES"], num_warps=1)
+        self.counters.calls += 1
+        self.counters.values += 2 * key.numel()
+        return stats, first
+
+    def finish_overflow(self, overflow: OverflowStore, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
+                        first: torch.Tensor) -> int:
+        """Torch path for escapes past the reserve (rare): write them to the overflow store. Returns how many."""
+        lay = self.layout
+        B = lay.block_size
+        slots = slots.to(torch.int64)
+        H, D = key.shape[1], key.shape[2]
+        total = 0
+        for kv, x in ((0, key), (1, value)):
+            res = lay.reserve(kv)
+            exp, _ = bf16.split(x)
+            idx = (torch.arange(H, device=x.device).view(1, H, 1) * D + torch.arange(D, device=x.device)) * 256
+            codes = torch.take(self.enc[kv], idx + exp.to(torch.int64))
+            flags = (codes == ESCAPE).to(torch.int64) & (slots >= 0).view(-1, 1, 1)
+            rank = first[..., kv].to(torch.int64).unsqueeze(-1) + torch.cumsum(flags, -1) - flags
+            t_i, h_i, d_i = ((flags > 0) & (rank >= res)).nonzero(as_tuple=True)
+            if t_i.numel() == 0:
+                continue
+            r = rank[t_i, h_i, d_i] - res
+            blk = slots[t_i] // B
+            offsets = overflow.reserve_bytes(blk, h_i, kv, r + 1)
+            overflow.arena[offsets + r] = exp[t_i, h_i, d_i]
+            overflow.values_written += int(t_i.numel())
+            total += int(t_i.numel())
+        self.counters.overflow_values += total
+        self.counters.overflow_calls += 1
+        return total
+
+    def write(self, cache: torch.Tensor, overflow: OverflowStore | None, key: torch.Tensor, value: torch.Tensor,
+              slots: torch.Tensor, check_overflow: bool = True) -> torch.Tensor:
+        """Append tokens key/value [T, H, D] bf16 at `slots` (block * B + offset, -1 = padding).
+
+        With check_overflow (the default) the call reads the overflow counters (one sync) and writes any
+        escapes past the reserve through torch; blocks rewritten from offset 0 give their runs back first.
+        Returns stats (int32 [2], escapes past the reserve for K and V).
+        """
+        if overflow is not None and check_overflow and overflow.runs_in_use:
+            s = slots.to(torch.int64)
+            restarted = torch.unique(s[(s >= 0) & (s % self.layout.block_size == 0)] // self.layout.block_size)
+            if restarted.numel():
+                overflow.release(restarted.to(overflow.ptr.device))
+        stats, first = self.launch(cache, key, value, slots)
+        if check_overflow and int(stats.sum()) > 0:
+            if overflow is None:
+                raise RuntimeError("escapes past the page reserve but no overflow store was given")
+            self.finish_overflow(overflow, key, value, slots, first)
+        return stats
+
+
+def write_pages(cache: torch.Tensor, overflow: OverflowStore | None, key: torch.Tensor, value: torch.Tensor,
+                slots: torch.Tensor, layout: KVPageLayout, decode_table: torch.Tensor) -> torch.Tensor:
+    """One-shot `PageWriter(layout, decode_table).write(...)` (build a PageWriter once per layer instead)."""
+    return PageWriter(layout, decode_table).write(cache, overflow, key, value, slots)
+
+
+__all__ = ["OVERFLOW_MIN_RUN", "DeviceOverflowStore", "PageWriter", "write_pages"]
