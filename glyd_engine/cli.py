@@ -23,6 +23,7 @@ COMMANDS: dict[str, str] = {
     "run": "run",
     "doctor": "doctor",
     "paths": "paths",
+    "serve": "serve",
 }
 
 

@@ -19,6 +19,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--window", type=int, help="positions the KV tables cover (default: the model's)")
     c.add_argument("--json", action="store_true", help="print one JSON object")
     c.set_defaults(func=run_codec)
+    from glyd_engine.commands.bench_kv import add_kv_parser
+
+    add_kv_parser(which)
 
 
 def run_codec(args: argparse.Namespace) -> int:

@@ -130,10 +130,12 @@ def ensure_kv_tables(model_dir: Path, settings: EngineSettings, emit: Any, cance
     """
     if settings.kv == "off" or os.environ.get("GLYD_ENGINE_BACKEND") == "echo":
         return
-    try:  # the tables serve only the plugin's KV cache: without it they would cost minutes for nothing
-        from glyd_engine.vllm_plugin import kv_status  # noqa: F401
-    except ImportError as exc:
-        log.info("KV tables skipped: Glyd's KV cache plugin is not available (%s); vLLM's own cache is used", exc)
+    # The tables serve only the plugin's pages: where the mode keeps vLLM's own cache (auto on a platform
+    # where Glyd's pages are not measured as fast), building them would cost minutes for nothing.
+    from glyd_engine.vllm_plugin.settings import holds_pages
+
+    if not holds_pages(settings.kv):
+        log.info("KV tables skipped: KV mode %r keeps vLLM's own cache on this platform", settings.kv)
         return
     from glyd_engine.tables import ensure_tables
 

@@ -1,0 +1,221 @@
+"""`glyd bench kv`: the real vLLM engine with and without the lossless KV cache, same KV memory.
+
+Each engine runs in its own child process (`python -m glyd_engine.bench.kv --child SPEC`): vLLM spawns
+processes and keeps global state, and a child's exit frees all of it. A child runs the workloads a spec
+names and prints one JSON line (prefixed `GLYD_RESULT `). The parent compares off against lossless.
+Tests in tests/vllm use the same children.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+RESULT = "GLYD_RESULT "
+DEFAULT_KV_BYTES = 160 * 1024 * 1024
+
+
+# -- the child (one engine) ----------------------------------------------------------------------------
+def corpus_ids(tokenizer: Any, n: int, skip: int = 0) -> list[int]:
+    """n token ids of the held-out corpus (repeated if short), starting `skip` tokens in."""
+    from glyd_engine.corpus import heldout_texts
+
+    ids: list[int] = []
+    for t in heldout_texts():
+        ids += tokenizer(t.text, add_special_tokens=False)["input_ids"]
+    while len(ids) < n + skip:
+        ids += ids
+    return ids[skip : skip + n]
+
+
+def _engine(spec: dict[str, Any]) -> Any:
+    from vllm import LLM
+
+    glyd = {"kv": spec["mode"]}
+    if spec.get("check"):
+        glyd["check"] = True
+    kwargs = dict(model=str(spec["model"]), dtype="bfloat16", enforce_eager=True, seed=0,
+                  kv_cache_memory_bytes=int(spec.get("kv_bytes", DEFAULT_KV_BYTES)),
+                  max_model_len=int(spec.get("max_model_len", 8192)), additional_config={"glyd": glyd},
+                  enable_prefix_caching=True, enable_chunked_prefill=True, disable_log_stats=False)
+    for k in ("max_num_batched_tokens", "max_num_seqs", "block_size"):
+        if spec.get(k):
+            kwargs[k] = int(spec[k])
+    return LLM(**kwargs)
+
+
+def _prompt_logprobs(llm: Any, prompts: list[list[int]]) -> list[list[float]]:
+    from vllm import SamplingParams, TokensPrompt
+
+    sp = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+    result = []
+    for out, ids in zip(outs, prompts, strict=True):
+        lps = out.prompt_logprobs or []
+        result.append([float(d[t].logprob) for d, t in zip(lps[1:], ids[1:], strict=True)])
+    return result
+
+
+def _greedy(llm: Any, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    from vllm import SamplingParams, TokensPrompt
+
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def prefix_prompts(tokenizer: Any, n: int, prefix_tokens: int, tail_tokens: int) -> list[list[int]]:
+    """n prompts sharing one long prefix (prefix-cache hits), each with its own tail."""
+    base = corpus_ids(tokenizer, prefix_tokens + n * tail_tokens)
+    prefix = base[:prefix_tokens]
+    return [prefix + base[prefix_tokens + i * tail_tokens : prefix_tokens + (i + 1) * tail_tokens]
+            for i in range(n)]
+
+
+def _counters(llm: Any) -> dict[str, float]:
+    """vLLM's preemption and prefix-cache counters (what the stress workload must have exercised)."""
+    out: dict[str, float] = {}
+    try:
+        for m in llm.get_metrics():
+            if any(k in m.name for k in ("preempt", "prefix_cache")) and isinstance(getattr(m, "value", None),
+                                                                                   int | float):
+                out[m.name] = out.get(m.name, 0) + m.value
+    except Exception as exc:  # metrics are a report, never a failure
+        out["error"] = str(exc)  # type: ignore[assignment]
+    return out
+
+
+def run_child(spec: dict[str, Any]) -> dict[str, Any]:
+    import vllm
+
+    t0 = time.monotonic()
+    llm = _engine(spec)
+    cfg = llm.llm_engine.vllm_config.cache_config
+    res: dict[str, Any] = {"mode": spec["mode"], "vllm": vllm.__version__, "start_s": round(time.monotonic() - t0, 1),
+                           "num_blocks": cfg.num_gpu_blocks, "block_size": cfg.block_size,
+                           "kv_tokens": int(cfg.num_gpu_blocks or 0) * int(cfg.block_size)}
+    tok = llm.get_tokenizer()
+    work = spec.get("work", {})
+    if "logprobs" in work:  # prompt lengths
+        t = time.monotonic()
+        prompts = [corpus_ids(tok, n, skip=97 * i) for i, n in enumerate(work["logprobs"])]
+        res["prompt_logprobs"] = _prompt_logprobs(llm, prompts)
+        res["logprobs_s"] = round(time.monotonic() - t, 1)
+    if "greedy" in work:  # {"prompts": [lengths], "max_tokens": m}
+        g = work["greedy"]
+        prompts = [corpus_ids(tok, n, skip=131 * i) for i, n in enumerate(g["prompts"])]
+        res["greedy"] = _greedy(llm, prompts, int(g["max_tokens"]))
+    if "prefix" in work:  # {"n": 14, "prefix": 600, "tail": 40, "max_tokens": 24}: shared-prefix hits
+        p = work["prefix"]
+        prompts = prefix_prompts(tok, int(p["n"]), int(p["prefix"]), int(p["tail"]))
+        first = _greedy(llm, prompts[:1], int(p["max_tokens"]))  # fills the prefix cache
+        res["prefix_greedy"] = first + _greedy(llm, prompts[1:], int(p["max_tokens"]))
+    if "stress" in work:  # many requests at once, mixed lengths, shared prefixes, under a small cache
+        s = work["stress"]
+        prompts = prefix_prompts(tok, int(s["n"]), int(s["prefix"]), int(s["tail"]))
+        prompts += [corpus_ids(tok, n, skip=53 * i) for i, n in enumerate(s.get("extra", []))]
+        t = time.monotonic()
+        outs = _greedy(llm, prompts, int(s["max_tokens"]))
+        res["stress"] = {"requests": len(prompts), "completed": sum(len(o) == int(s["max_tokens"]) for o in outs),
+                         "seconds": round(time.monotonic() - t, 1)}
+    if "speed" in work:  # {"batch": 8, "prompt": 64, "max_tokens": 64}
+        s = work["speed"]
+        prompts = [corpus_ids(tok, int(s["prompt"]), skip=1000 + 211 * i) for i in range(int(s["batch"]))]
+        _greedy(llm, prompts[:1], 4)  # warm-up
+        glyd = spec["mode"] != "off" and spec.get("check")
+        if glyd:  # time the cache, not the debug compare (the shadow stays written)
+            from glyd_engine.vllm_plugin.state import pause_compare
+
+            llm.collective_rpc(pause_compare, args=(True,))
+        t = time.monotonic()
+        outs = _greedy(llm, prompts, int(s["max_tokens"]))
+        dt = time.monotonic() - t
+        if glyd:
+            llm.collective_rpc(pause_compare, args=(False,))
+        res["decode_tokens_per_s"] = round(sum(map(len, outs)) / dt, 2)
+        res["speed_batch"] = int(s["batch"])
+    res["metrics"] = _counters(llm)
+    if spec["mode"] != "off":
+        from glyd_engine.vllm_plugin.state import worker_stats
+
+        stats = llm.collective_rpc(worker_stats)
+        res["stats"] = {k: sum(int(s[k]) for s in stats) for k in stats[0]} if stats else {}
+    res["total_s"] = round(time.monotonic() - t0, 1)
+    return res
+
+
+# -- the parent --------------------------------------------------------------------------------------
+def child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(worker_stats) sends a function
+    env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+    return env
+
+
+def run_engine(spec: dict[str, Any], timeout: float = 900, log: Path | None = None) -> dict[str, Any]:
+    """Run one engine child; its result dict, or RuntimeError with the log's tail (and its first Glyd line)."""
+    spec = {**spec, "model": str(spec["model"])}
+    proc = subprocess.run([sys.executable, "-m", "glyd_engine.bench.kv", "--child", json.dumps(spec)],
+                          capture_output=True, text=True, timeout=timeout, env=child_env())
+    text = proc.stdout + "\n" + proc.stderr
+    if log is not None:
+        log.write_text(text)
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(RESULT):
+            out = json.loads(line[len(RESULT):])
+            out["log"] = text
+            return out
+    cause = next((ln.strip() for ln in text.splitlines() if "Error: " in ln and "Engine core initialization" not in ln),
+                 "")
+    raise RuntimeError(f"engine ({spec['mode']}) failed, rc={proc.returncode}: {cause}\n{text[-6000:]}")
+
+
+def bits_equal(a: list[list[float]], b: list[list[float]]) -> bool:
+    """Prompt logprobs equal bit for bit (floats compared by their IEEE pattern, NaN included)."""
+    import struct
+
+    def key(xs: list[list[float]]) -> list[list[bytes]]:
+        return [[struct.pack("<d", x) for x in row] for row in xs]
+
+    return key(a) == key(b)
+
+
+def run_kv_bench(model: Path, kv_bytes: int = DEFAULT_KV_BYTES, logprob_tokens: int = 2000, batch: int = 8,
+                 max_tokens: int = 64, max_model_len: int = 4096) -> dict[str, Any]:
+    """Off, then lossless (with the read-back check), at the same fixed KV memory."""
+    work = {"logprobs": [logprob_tokens], "speed": {"batch": batch, "prompt": 64, "max_tokens": max_tokens}}
+    base = {"model": str(model), "kv_bytes": kv_bytes, "work": work,
+            "max_model_len": max(max_model_len, logprob_tokens + 16)}
+    off = run_engine({**base, "mode": "off"})
+    glyd = run_engine({**base, "mode": "lossless", "check": True})
+    stats = glyd.get("stats", {})
+    return {
+        "model": str(model), "kv_cache_memory_bytes": kv_bytes, "block_size": off["block_size"],
+        "kv_tokens_off": off["kv_tokens"], "kv_tokens_lossless": glyd["kv_tokens"],
+        "capacity_ratio": round(glyd["kv_tokens"] / max(1, off["kv_tokens"]), 4),
+        "prompt_logprob_tokens": logprob_tokens,
+        "prompt_logprobs_identical": bits_equal(off["prompt_logprobs"], glyd["prompt_logprobs"]),
+        "values_checked": stats.get("values_checked", 0), "values_differing": stats.get("values_differing", 0),
+        "escapes": stats.get("escapes", 0), "overflow_values": stats.get("overflow_values", 0),
+        "decode_batch": batch,
+        "decode_tokens_per_s_off": off["decode_tokens_per_s"],
+        "decode_tokens_per_s_lossless": glyd["decode_tokens_per_s"],
+        "vllm_version": off["vllm"], "device": "cpu",
+    }
+
+
+def _child_main(argv: list[str]) -> int:
+    spec = json.loads(argv[argv.index("--child") + 1])
+    res = run_child(spec)
+    sys.stdout.write(RESULT + json.dumps(res) + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_child_main(sys.argv))

@@ -1,0 +1,92 @@
+"""The two places Glyd enters vLLM: the platform's config check and its attention backend selector.
+
+- `check_and_update_config` runs where the engine config is made (the user's process, first): a
+  `lossless`/`exact` request that cannot hold is refused there, before any engine process starts, and
+  `auto` logs why it keeps vLLM's own cache.
+- `get_attn_backend_cls` runs for every attention layer in the worker: eligible decoder layers get GLYD.
+  vLLM's CPU platform ignores `--attention-backend`, so wrapping the selector is the only way in. Its
+  results are cached per selector config, so the decision depends only on process-constant settings.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from glyd_engine.vllm_plugin import settings
+
+BACKEND_PATH = "glyd_engine.vllm_plugin.backend.GlydAttentionBackend"
+_MARK = "_glyd_wrapped"
+
+
+def layer_refusal(sel: Any) -> str | None:
+    """Why one attention layer (vLLM's AttentionSelectorConfig) cannot use GLYD; None if it can."""
+    import torch
+
+    if getattr(sel, "use_mla", False) or getattr(sel, "use_sparse", False):
+        return "MLA/sparse attention layers"
+    if getattr(sel, "has_sink", False):
+        return "attention sinks"
+    if getattr(sel, "has_sliding_window", False) or getattr(sel, "use_rswa", False):
+        return "sliding-window attention layers"
+    if getattr(sel, "use_non_causal", False) or getattr(sel, "use_mm_prefix", False):
+        return "non-causal attention"
+    if getattr(sel, "use_kv_connector", False):
+        return "a KV connector"
+    if getattr(sel, "use_pcp", False) or getattr(sel, "use_dcp", False):
+        return "context parallelism"
+    if sel.dtype != torch.bfloat16:
+        return f"{sel.dtype} activations (the page code holds bf16)"
+    if sel.kv_cache_dtype not in (None, "auto", "bfloat16"):
+        return f"kv_cache_dtype {sel.kv_cache_dtype}"
+    if sel.head_size % 8:
+        return f"head size {sel.head_size} (not a multiple of 8)"
+    return None
+
+
+def _wrap_selector(platform_cls: type) -> None:
+    original = platform_cls.get_attn_backend_cls  # bound to the class
+
+    def get_attn_backend_cls(cls: type, selected_backend: Any, attn_selector_config: Any,
+                             num_heads: int | None = None) -> str:
+        from vllm.config import get_current_vllm_config_or_none
+        from vllm.v1.attention.backend import AttentionType
+
+        cfg = get_current_vllm_config_or_none()
+        if cfg is None or getattr(attn_selector_config, "attn_type", None) != AttentionType.DECODER:
+            return original(selected_backend, attn_selector_config, num_heads)
+        decision = settings.decide(cfg)
+        settings.log_decision(decision)
+        if decision.active:
+            why = layer_refusal(attn_selector_config)
+            if why is None:
+                return BACKEND_PATH
+            raise ValueError(f"Glyd KV cache (kv={decision.asked}) cannot hold this model: "
+                             f"it has {why}. {settings.OFF_HINT[0].upper()}{settings.OFF_HINT[1:]}.")
+        return original(selected_backend, attn_selector_config, num_heads)
+
+    setattr(get_attn_backend_cls, _MARK, True)
+    platform_cls.get_attn_backend_cls = classmethod(get_attn_backend_cls)
+
+
+def _wrap_config_check(platform_cls: type) -> None:
+    original = platform_cls.check_and_update_config
+
+    def check_and_update_config(cls: type, vllm_config: Any) -> None:
+        original(vllm_config)
+        if getattr(vllm_config, "model_config", None) is None:
+            return
+        decision = settings.decide(vllm_config)  # raises for lossless/exact where it cannot hold
+        settings.log_decision(decision)
+
+    setattr(check_and_update_config, _MARK, True)
+    platform_cls.check_and_update_config = classmethod(check_and_update_config)
+
+
+def install(platform_cls: type) -> bool:
+    """Wrap the platform's hooks once a process; False when they were wrapped already."""
+    if getattr(platform_cls.get_attn_backend_cls, _MARK, False):
+        return False
+    _wrap_selector(platform_cls)
+    if not getattr(platform_cls.check_and_update_config, _MARK, False):
+        _wrap_config_check(platform_cls)
+    return True

@@ -1,0 +1,164 @@
+"""What the plugin does for one engine: the KV mode asked for, and the mode that holds after the checks.
+
+Every vLLM process (API server, engine core, workers) resolves the same decision from the same inputs
+(`GLYD_KV`, `vllm_config.additional_config["glyd"]`, the model and parallel config), so nothing has to be
+passed between them. `lossless`/`exact` refuse what the page code cannot hold, with a message that says
+why and what to do; `auto` keeps vLLM's own cache instead and logs why.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+# Under "vllm" so the lines go where vLLM's own log goes (its logger has the handler).
+log = logging.getLogger("vllm.glyd")
+
+MODES = ("auto", "lossless", "exact", "off")
+ENV_MODE = "GLYD_KV"
+ENV_CHECK = "GLYD_KV_CHECK"  # debug: keep a bf16 shadow of every page and compare each value read
+SUPPORTED_VLLM = ">=0.32,<0.34"
+
+# Platforms where the lossless cache is measured at least as fast as vLLM's own (docs/vllm.md, "auto").
+# The CPU path decodes pages in plain torch and is slower than vLLM's C++ kernel: not listed.
+AUTO_FAST_PLATFORMS: frozenset[str] = frozenset()
+
+OFF_HINT = "run with GLYD_KV=off (or --additional-config '{\"glyd\": {\"kv\": \"off\"}}') to use vLLM's own cache"
+
+
+@dataclass(frozen=True)
+class Decision:
+    asked: str  # the mode the user set (auto when unset)
+    mode: str  # lossless | exact | off: what runs
+    reason: str = ""  # why `auto` kept vLLM's own cache
+
+    @property
+    def active(self) -> bool:
+        return self.mode in ("lossless", "exact")
+
+
+def glyd_section(vllm_config: Any) -> dict[str, Any]:
+    extra = getattr(vllm_config, "additional_config", None)
+    if isinstance(extra, dict) and isinstance(extra.get("glyd"), dict):
+        return extra["glyd"]
+    return {}
+
+
+def asked_mode(vllm_config: Any = None) -> str:
+    """`additional_config["glyd"]["kv"]` (per engine) wins over `GLYD_KV` (per process); default auto."""
+    value = glyd_section(vllm_config).get("kv") if vllm_config is not None else None
+    source = "additional_config glyd.kv"
+    if value is None:
+        value, source = os.environ.get(ENV_MODE) or "auto", ENV_MODE
+    value = str(value).strip().lower()
+    if value not in MODES:
+        raise ValueError(f"{source}={value!r} is not a Glyd KV mode; use one of {', '.join(MODES)}")
+    return value
+
+
+def check_enabled(vllm_config: Any = None) -> bool:
+    value = glyd_section(vllm_config).get("check") if vllm_config is not None else None
+    if value is None:
+        value = os.environ.get(ENV_CHECK, "")
+    return str(value).strip().lower() in ("1", "true", "yes", "on")
+
+
+def unsupported(vllm_config: Any) -> list[str]:
+    """Why the lossless cache cannot hold this engine's KV (empty: it can). Each item says what to change."""
+    why: list[str] = []
+    if platform_name() != "cpu":
+        why.append(f"the lossless cache runs on vLLM's CPU build in this version, not on {platform_name()}")
+    par = getattr(vllm_config, "parallel_config", None)
+    if par is not None:
+        for attr, name in (("tensor_parallel_size", "tensor"), ("pipeline_parallel_size", "pipeline"),
+                           ("prefill_context_parallel_size", "prefill context"),
+                           ("decode_context_parallel_size", "decode context")):
+            if int(getattr(par, attr, 1) or 1) > 1:
+                why.append(f"{name} parallel size {getattr(par, attr)} > 1 (run on one device)")
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        why.append("speculative decoding is on (drop --speculative-config)")
+    if getattr(vllm_config, "kv_transfer_config", None) is not None:
+        why.append("a KV transfer/connector is configured (connectors copy raw pages and cannot see overflow)")
+    cache = getattr(vllm_config, "cache_config", None)
+    if cache is not None:
+        if str(getattr(cache, "cache_dtype", "auto")) not in ("auto", "bfloat16"):
+            why.append(f"kv_cache_dtype is {cache.cache_dtype} (the page code holds bf16 values; use auto)")
+        if getattr(cache, "kv_offloading_size", None):
+            why.append("KV offloading is on (offload copies raw pages and cannot see overflow)")
+    model = getattr(vllm_config, "model_config", None)
+    if model is not None:
+        import torch
+
+        if getattr(model, "dtype", torch.bfloat16) != torch.bfloat16:
+            why.append(f"the model runs in {model.dtype} (the page code is for bf16; use --dtype bfloat16)")
+        if _flag(model, "use_mla"):
+            why.append("the model uses MLA attention")
+        if _flag(model, "is_hybrid") or _flag(model, "is_attention_free"):
+            why.append("the model is hybrid or attention-free (mamba/linear-attention state)")
+        hf = getattr(model, "hf_text_config", None)
+        window = getattr(hf, "sliding_window", None)
+        layer_types = list(getattr(hf, "layer_types", None) or [])
+        if (window and getattr(hf, "use_sliding_window", True) is not False) or any(
+                "sliding" in str(t) for t in layer_types):
+            why.append("the model has sliding-window attention layers")
+        if getattr(hf, "attention_chunk_size", None):
+            why.append("the model has chunked local attention layers")
+    return why
+
+
+def _flag(obj: Any, name: str) -> bool:
+    try:
+        return bool(getattr(obj, name, False))
+    except Exception:  # some model-config properties need registry lookups that may fail for odd models
+        return False
+
+
+def platform_name() -> str:
+    from vllm.platforms import current_platform
+
+    return "cpu" if current_platform.is_cpu() else str(getattr(current_platform, "device_name", "unknown"))
+
+
+def decide(vllm_config: Any) -> Decision:
+    """The mode that runs for this engine; raises ValueError for lossless/exact where it cannot hold."""
+    asked = asked_mode(vllm_config)
+    if asked == "off":
+        return Decision(asked, "off")
+    why = unsupported(vllm_config)
+    if asked in ("lossless", "exact"):
+        if why:
+            raise ValueError(f"Glyd KV cache (kv={asked}) cannot run this engine: " + "; ".join(why)
+                             + f". Change that, or {OFF_HINT}.")
+        return Decision(asked, asked)
+    if why:
+        return Decision(asked, "off", "; ".join(why))
+    plat = platform_name()
+    if plat not in AUTO_FAST_PLATFORMS:
+        return Decision(asked, "off", f"the lossless cache is not measured as fast as vLLM's own on {plat} "
+                                      f"(set {ENV_MODE}=lossless to hold ~1.4x the tokens anyway)")
+    return Decision(asked, "lossless")
+
+
+_logged: set[tuple[str, str]] = set()
+
+
+def log_decision(d: Decision) -> None:
+    """One line a process: what runs and, for auto, why vLLM's own cache was kept."""
+    key = (d.mode, d.reason)
+    if key in _logged:
+        return
+    _logged.add(key)
+    if d.active:
+        log.info("Glyd KV cache: %s (lossless pages, every value exact)", d.mode)
+    elif d.asked == "auto":
+        log.info("Glyd KV cache: auto keeps vLLM's own KV cache: %s", d.reason)
+
+
+def holds_pages(asked: str) -> bool:
+    """Whether a mode runs Glyd's pages on this platform, before any model check: the engine runner uses
+    it to build the KV tables (with progress) only when they will be used."""
+    if asked == "off":
+        return False
+    return asked in ("lossless", "exact") or platform_name() in AUTO_FAST_PLATFORMS

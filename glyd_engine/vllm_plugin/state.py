@@ -1,0 +1,127 @@
+"""Per-process state of the KV backend: the model's tables, one codec and overflow store a layer, counters.
+
+The tables are built (first start) or loaded in the worker when the first attention layer is made, so the
+page size is known before vLLM sizes its cache (`customize_spec`). Counters are per process; tests and
+`glyd bench kv` read them with `llm.collective_rpc(worker_stats)`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from glyd_engine.format.kv_page import KVPageCodec, OverflowStore
+from glyd_engine.tables.kv_tables import KVTables
+
+log = logging.getLogger("vllm.glyd")
+
+_lock = threading.Lock()
+_tables: dict[str, KVTables] = {}
+_current: KVTables | None = None
+
+
+def model_dir(model: str) -> Path:
+    """A local directory for vLLM's `model` (a path, or a hub id already in the local hub cache)."""
+    p = Path(model).expanduser()
+    if p.is_dir():
+        return p
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model, local_files_only=True))
+    except Exception as exc:
+        raise ValueError(f"Glyd KV cache: cannot find the files of model {model!r} locally to build its KV "
+                         f"tables ({exc})") from exc
+
+
+def _log_progress(event: Any) -> None:
+    frac = event.fraction
+    if frac is None or event.done in (0, event.total) or int(event.done) % 8 == 0:
+        pct = f"{100 * frac:.0f}%" if frac is not None else "..."
+        log.info("Glyd KV tables: %s %s", event.phase, pct)
+
+
+def load_tables(model: str) -> KVTables:
+    """The model's KV tables: cached on disk by fingerprint, built on the first start (minutes, logged)."""
+    global _current
+    with _lock:
+        if model not in _tables:
+            from glyd_engine.models import model_fingerprint
+            from glyd_engine.tables import ensure_tables, tables_path
+
+            d = model_dir(model)
+            cached = tables_path(model_fingerprint(d)).exists()
+            if not cached:
+                log.info("Glyd KV tables for %s are not cached yet: building them once (a few minutes)", d)
+            tables = ensure_tables(d, progress=_log_progress)
+            log.info("Glyd KV tables %s: %s", "loaded" if cached else "built", tables.describe())
+            _tables[model] = tables
+        _current = _tables[model]
+        return _current
+
+
+def current_tables() -> KVTables | None:
+    return _current
+
+
+@dataclass
+class Stats:
+    """Counters over all layers of this process (values are bf16 K or V values)."""
+
+    pages_decoded: int = 0
+    values_checked: int = 0
+    values_differing: int = 0
+
+
+STATS = Stats()
+COMPARE = {"paused": False}  # check mode: compares can pause (speed runs); the shadow is always written
+
+
+def pause_compare(worker: Any = None, paused: bool = True) -> bool:
+    """For `llm.collective_rpc(pause_compare, args=(True,))`: time a workload without the compare cost."""
+    COMPARE["paused"] = bool(paused)
+    return COMPARE["paused"]
+
+
+@dataclass
+class LayerState:
+    """One attention layer's view of vLLM's tensor as pages, its codec, overflow and (check) shadow."""
+
+    codec: KVPageCodec
+    pages: torch.Tensor  # [num_blocks, H, page_bytes] uint8, a view of vLLM's cache
+    overflow: OverflowStore
+    data_ptr: int
+    shadow: torch.Tensor | None = None  # [num_blocks, H, 2, B, D] bf16 in check mode
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+LAYERS: dict[str, LayerState] = {}
+
+
+def page_view(kv_cache: torch.Tensor, page_bytes: int) -> torch.Tensor:
+    """vLLM's per-layer cache [blocks, H, B, C'] (any dtype) -> [blocks, H, page_bytes] uint8, no copy."""
+    raw = kv_cache.view(torch.uint8)
+    nb, h, b, c = raw.shape
+    flat = raw.view(nb, h, b * c)  # raises if a page is not contiguous: the LBHNC layout keeps it so
+    if b * c < page_bytes:
+        raise ValueError(f"vLLM allocated {b * c} bytes a page, the page code needs {page_bytes}")
+    return flat[:, :, :page_bytes]
+
+
+def worker_stats(worker: Any = None) -> dict[str, int]:
+    """Counters of this process, for `llm.collective_rpc(worker_stats)` (the worker is ignored)."""
+    s = STATS
+    held = sum(st.overflow.bytes_held for st in LAYERS.values())
+    grows = sum(st.overflow.grows for st in LAYERS.values())
+    arena = sum(st.overflow.arena.numel() for st in LAYERS.values())
+    codecs = [st.codec.stats for st in LAYERS.values()]
+    return {"values_written": sum(c.values for c in codecs), "escapes": sum(c.escapes for c in codecs),
+            "overflow_values": sum(c.overflow for c in codecs),
+            "overflow_bytes_held": held, "overflow_arena_bytes": arena, "overflow_grows": grows,
+            "pages_decoded": s.pages_decoded, "values_checked": s.values_checked,
+            "values_differing": s.values_differing, "layers": len(LAYERS)}

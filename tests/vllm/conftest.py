@@ -1,0 +1,55 @@
+"""The real vLLM engine (CPU build) on the demo model. Each engine runs in a child process
+(glyd_engine.bench.kv): vLLM spawns processes and keeps global state. Engines are started once a session
+and shared by the tests that read their results."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import TEST_HOME
+
+pytest.importorskip("vllm")
+
+HERE = Path(__file__).resolve().parent
+KV_BYTES = 160 * 1024 * 1024  # fixed KV memory for off and Glyd alike: 56 blocks of 128 tokens off
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _glyd_home() -> Any:
+    """Children inherit GLYD_HOME: the KV tables cached next to the demo model are reused."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("GLYD_HOME", str(TEST_HOME))
+        mp.delenv("GLYD_KV", raising=False)
+        yield
+
+
+def run_configs(cases: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Engine configs built in a child (no engine start): what Glyd decided for each case."""
+    proc = subprocess.run([sys.executable, str(HERE / "config_child.py"), json.dumps(cases)],
+                          capture_output=True, text=True, timeout=300, env=dict(os.environ))
+    logs: dict[str, list[str]] = {}
+    current: list[str] = []
+    for line in proc.stdout.splitlines():
+        if line.startswith("GLYD_CASE "):
+            current = logs.setdefault(line.split(" ", 1)[1], [])
+        elif line.startswith("GLYD_RESULT "):
+            result = json.loads(line[len("GLYD_RESULT "):])
+            for name, r in result.items():
+                r["log"] = "\n".join(logs.get(name, []))
+            return result
+        else:
+            current.append(line)
+    raise AssertionError(f"config child failed rc={proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+
+
+def engine(spec: dict[str, Any]) -> dict[str, Any]:
+    from glyd_engine.bench.kv import run_engine
+
+    return run_engine({"kv_bytes": KV_BYTES, **spec}, timeout=900)

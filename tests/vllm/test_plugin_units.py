@@ -1,0 +1,145 @@
+"""The plugin's decisions and hooks without an engine: settings, per-layer refusals, page size, serve."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from glyd_engine.vllm_plugin import settings
+
+
+def _config(kv: str | None = None, **over: object) -> SimpleNamespace:
+    par = SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1, prefill_context_parallel_size=1,
+                          decode_context_parallel_size=1)
+    hf = SimpleNamespace(sliding_window=None, layer_types=None)
+    model = SimpleNamespace(dtype=torch.bfloat16, use_mla=False, is_hybrid=False, is_attention_free=False,
+                            hf_text_config=hf)
+    cfg = SimpleNamespace(parallel_config=par, speculative_config=None, kv_transfer_config=None,
+                          cache_config=SimpleNamespace(cache_dtype="auto", kv_offloading_size=None),
+                          model_config=model, additional_config={"glyd": {"kv": kv}} if kv else {})
+    for k, v in over.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def test_modes_and_precedence(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("GLYD_KV", raising=False)
+    assert settings.asked_mode(_config()) == "auto"
+    monkeypatch.setenv("GLYD_KV", "Lossless")
+    assert settings.asked_mode(_config()) == "lossless"
+    assert settings.asked_mode(_config("off")) == "off"  # the engine's own setting wins
+    monkeypatch.setenv("GLYD_KV", "bogus")
+    with pytest.raises(ValueError, match="'bogus' is not a Glyd KV mode"):
+        settings.asked_mode(_config())
+
+
+def test_decisions(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("GLYD_KV", raising=False)
+    assert settings.decide(_config("lossless")).mode == "lossless"
+    assert settings.decide(_config("exact")).mode == "exact"
+    assert settings.decide(_config("off")) == settings.Decision("off", "off")
+    auto = settings.decide(_config())
+    assert auto.mode == "off" and "not measured as fast" in auto.reason  # CPU: vLLM's own kernel is faster
+    spec = _config("lossless", speculative_config=object())
+    with pytest.raises(ValueError, match="speculative decoding"):
+        settings.decide(spec)
+    spec.additional_config = {}
+    assert "speculative" in settings.decide(spec).reason
+
+
+@pytest.mark.parametrize(("change", "needle"), [
+    (lambda c: setattr(c.parallel_config, "tensor_parallel_size", 2), "tensor parallel size 2"),
+    (lambda c: setattr(c.parallel_config, "pipeline_parallel_size", 2), "pipeline parallel"),
+    (lambda c: setattr(c.parallel_config, "decode_context_parallel_size", 2), "decode context parallel"),
+    (lambda c: setattr(c, "kv_transfer_config", object()), "KV transfer"),
+    (lambda c: setattr(c.cache_config, "cache_dtype", "fp8"), "kv_cache_dtype is fp8"),
+    (lambda c: setattr(c.cache_config, "kv_offloading_size", 4.0), "offloading"),
+    (lambda c: setattr(c.model_config, "dtype", torch.float16), "torch.float16"),
+    (lambda c: setattr(c.model_config, "use_mla", True), "MLA"),
+    (lambda c: setattr(c.model_config, "is_hybrid", True), "hybrid"),
+    (lambda c: setattr(c.model_config.hf_text_config, "sliding_window", 4096), "sliding-window"),
+    (lambda c: setattr(c.model_config.hf_text_config, "layer_types", ["sliding_attention"]), "sliding-window"),
+])
+def test_each_unsupported_feature_is_named(change, needle: str) -> None:  # noqa: ANN001
+    cfg = _config("lossless")
+    change(cfg)
+    with pytest.raises(ValueError, match="cannot run this engine") as err:
+        settings.decide(cfg)
+    assert needle in str(err.value) and "GLYD_KV=off" in str(err.value)
+
+
+def test_sliding_window_declared_but_unused_is_fine() -> None:
+    cfg = _config("lossless")
+    cfg.model_config.hf_text_config = SimpleNamespace(sliding_window=4096, use_sliding_window=False)
+    assert settings.decide(cfg).mode == "lossless"
+
+
+def test_layer_refusals() -> None:
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    from glyd_engine.vllm_plugin.hooks import layer_refusal
+
+    ok = AttentionSelectorConfig(head_size=64, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=None)
+    assert layer_refusal(ok) is None
+    assert "sinks" in layer_refusal(ok._replace(has_sink=True))
+    assert "sliding" in layer_refusal(ok._replace(has_sliding_window=True))
+    assert "MLA" in layer_refusal(ok._replace(use_mla=True))
+    assert "fp8" in layer_refusal(ok._replace(kv_cache_dtype="fp8"))
+    assert "head size 60" in layer_refusal(ok._replace(head_size=60))
+    assert "float16" in layer_refusal(ok._replace(dtype=torch.float16))
+
+
+def test_register_is_idempotent_and_hooks_exist() -> None:
+    from vllm.platforms import current_platform
+
+    import glyd_engine.vllm_plugin as plugin
+
+    assert plugin.missing_hooks() == []
+    plugin.register()
+    wrapped = type(current_platform).get_attn_backend_cls
+    plugin.register()
+    from glyd_engine.vllm_plugin import hooks
+
+    assert hooks.install(type(current_platform)) is False  # already wrapped: no double wrap
+    assert type(current_platform).get_attn_backend_cls == wrapped
+
+
+def test_page_size_does_not_depend_on_block_size() -> None:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from glyd_engine.tables.kv_tables import KVTables
+    from glyd_engine.vllm_plugin import backend, state
+
+    tables = KVTables.uniform(2, 3, 64)
+    state._current = tables
+    try:
+        for bs in (1, 16, 128):
+            spec = FullAttentionSpec(block_size=bs, num_kv_heads=3, head_size=64, dtype=torch.bfloat16)
+            got = backend.GlydAttentionBackend.customize_spec(spec)
+            assert got.state_content_size_bytes == tables.layout(bs).token_bytes  # 2*(64+24)+3+3 = 182
+            assert got.page_size_bytes == bs * 3 * 182
+            assert spec.page_size_bytes == bs * 3 * 256
+    finally:
+        state._current = None
+
+
+def test_serve_binds_localhost_unless_told() -> None:
+    from glyd_engine.commands.serve import vllm_command
+
+    cmd = vllm_command("/m", ["--port", "9000"])
+    assert cmd[-5:] == ["/m", "--host", "127.0.0.1", "--port", "9000"]
+    cmd = vllm_command("/m", ["--", "--host=0.0.0.0"])
+    assert "127.0.0.1" not in cmd and cmd[-1] == "--host=0.0.0.0"
+
+
+def test_bench_kv_parser() -> None:
+    import argparse
+
+    from glyd_engine.commands.bench_kv import add_kv_parser, run_kv
+
+    parser = argparse.ArgumentParser()
+    add_kv_parser(parser.add_subparsers(dest="bench"))
+    args = parser.parse_args(["kv", "--model", "/m", "--json", "--kv-bytes", "1000"])
+    assert args.func is run_kv and args.model == "/m" and args.json and args.kv_bytes == 1000
