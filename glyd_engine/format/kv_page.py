@@ -178,20 +178,24 @@ class OverflowStore:
         self.ptr[blocks] = -1
 
     def reserve_bytes(self, blocks: torch.Tensor, heads: torch.Tensor, kv: int, need: torch.Tensor) -> torch.Tensor:
-        """Make each (block, head) hold at least `need` bytes; returns their offsets (int64)."""
-        _, capacity = self.unpack(self.ptr[blocks, heads, kv])
-        short = (capacity < need).nonzero().flatten()
-        short = short[torch.argsort(need[short], descending=True)]  # largest first: one move per page
-        for i in short.tolist():
-            b, h, n = int(blocks[i]), int(heads[i]), int(need[i])
-            old_off, cap = (int(x) for x in self.unpack(self.ptr[b, h, kv]))
-            if cap >= n:  # the page appeared earlier in this batch with a larger need
-                continue
+        """Make each (block, head) hold at least `need` bytes; returns their offsets (int64).
+
+        Entries may repeat a page: each page is grown once, to its largest need in the batch.
+        """
+        key = blocks * self.num_heads + heads
+        pages, inverse = torch.unique(key, return_inverse=True)
+        most = torch.zeros(pages.numel(), dtype=torch.int64).scatter_reduce_(0, inverse, need, "amax",
+                                                                             include_self=False)
+        pb, ph = pages // self.num_heads, pages % self.num_heads
+        old_off, cap = self.unpack(self.ptr[pb, ph, kv])
+        short = (cap < most).nonzero().flatten().tolist()
+        for b, h, n, off, c in zip(pb[short].tolist(), ph[short].tolist(), most[short].tolist(),
+                                   old_off[short].tolist(), cap[short].tolist(), strict=True):
             size = max(OVERFLOW_MIN_RUN, 1 << (n - 1).bit_length())
             new = self._take(size)
-            if cap:
-                self.arena[new : new + cap] = self.arena[old_off : old_off + cap]
-                self.free.setdefault(cap, []).append(old_off)
+            if c:
+                self.arena[new : new + c] = self.arena[off : off + c]
+                self.free.setdefault(c, []).append(off)
             self.ptr[b, h, kv] = (new // OVERFLOW_MIN_RUN) << 4 | (size // OVERFLOW_MIN_RUN).bit_length() - 1
         return self.unpack(self.ptr[blocks, heads, kv])[0]
 
