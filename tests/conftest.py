@@ -11,6 +11,9 @@ TEST_HOME = Path(__file__).resolve().parent.parent / ".cache" / "test-home"
 # Every test (and every engine process a test starts) keeps its files here, never in the user's dirs;
 # the demo model and its KV tables built once are reused by later runs.
 os.environ["GLYD_HOME"] = str(TEST_HOME)
+# Triton kernels run under the interpreter in tests; Triton reads this when a kernel is decorated, so it
+# is set before any test module (or vLLM, which imports Triton) is imported.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")
