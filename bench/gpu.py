@@ -87,6 +87,23 @@ class Source:
         return decode[0], res[0], res[1]
 
 
+def _reserve_bytes_via_cpu(orig):  # noqa: ANN001, ANN202
+    """Run the reference allocator (a host-side loop) on a CPU copy of `ptr` and write the copy back.
+
+    Measured this way on 2026-11-30 when reserve_bytes still built a CPU tensor beside device indices;
+    that is fixed in kv_page.py since, but the fix is not yet verified on the GPU, so the bench keeps this."""
+    def reserve_bytes(self, blocks, heads, kv, need):  # noqa: ANN001, ANN202
+        dev_ptr = self.ptr
+        self.ptr = dev_ptr.cpu()
+        try:
+            off = orig(self, blocks.cpu(), heads.cpu(), kv, need.cpu())
+        finally:
+            dev_ptr.copy_(self.ptr)
+            self.ptr = dev_ptr
+        return off.to(blocks.device)
+    return reserve_bytes
+
+
 def bench_fn(fn, graphs: bool) -> float:  # noqa: ANN001
     """Median ms of fn, replayed from a CUDA graph when `graphs`."""
     import triton.testing as tt
@@ -153,6 +170,7 @@ def main() -> None:  # noqa: C901, PLR0915
 
     copy_tbs = None
     if not smoke:
+        DeviceOverflowStore.reserve_bytes = _reserve_bytes_via_cpu(DeviceOverflowStore.reserve_bytes)
         copy_tbs = copy_bandwidth(dev)
         print(f"copy bandwidth {copy_tbs:.2f} TB/s (read + write)")
         log("copy_TBps", copy_tbs, out)
@@ -226,9 +244,9 @@ def main() -> None:  # noqa: C901, PLR0915
         q = torch.randn(S, HQ, D, generator=gen).to(torch.bfloat16).to(dev)
         return bt, lens, q
 
-    def ours(q, bt, lens, L, out_t, pages=2, warps=4):  # noqa: ANN001, ANN202
-        return lambda: kv_decode_attention(q, cache, lay, tab, bt, lens, L, scale, ovf, out=out_t, pages=pages,
-                                           num_warps=warps)
+    def ours(q, bt, lens, L, out_t, cfg=None):  # noqa: ANN001, ANN202
+        kw = dict(zip(("pages", "num_warps", "num_stages", "vec", "prefetch", "maxnreg"), cfg or (), strict=False))
+        return lambda: kv_decode_attention(q, cache, lay, tab, bt, lens, L, scale, ovf, out=out_t, **kw)
 
     def vllm_fn(q, bt, lens, L, out_t, scratch):  # noqa: ANN001, ANN202
         S = q.shape[0]
@@ -289,15 +307,33 @@ def main() -> None:  # noqa: C901, PLR0915
     S, L = (32, 8192) if 32 in batches and 8192 in contexts else (batches[-1], contexts[-1])
     bt, lens, q = make_case(S, L, 0)
     o = torch.empty_like(q)
-    for pages, warps in ((1, 4), (2, 4), (4, 4), (2, 8), (4, 8)):
+    # (pages, warps, stages, vec, prefetch, maxnreg)
+    configs = [(1, 4, 2, 16, 0, 0), (1, 4, 2, 4, 0, 0), (1, 4, 1, 4, 1, 0), (1, 8, 1, 4, 1, 128), (1, 8, 2, 4, 0, 128),
+               (1, 8, 1, 4, 2, 128), (2, 8, 1, 4, 1, 168), (2, 8, 2, 4, 0, 0), (1, 4, 1, 4, 1, 168),
+               (1, 8, 1, 16, 1, 128), (1, 4, 2, 4, 1, 0), (2, 8, 2, 4, 1, 168)]
+    for cfg in configs:
+        name = "p{}w{}s{}v{}f{}r{}".format(*cfg)
         try:
-            tune[f"p{pages}w{warps}"] = bench_fn(ours(q, bt, lens, L, o, pages, warps), True)
+            tune[name] = bench_fn(ours(q, bt, lens, L, o, cfg), True)
         except Exception as exc:  # noqa: BLE001
-            tune[f"p{pages}w{warps}"] = repr(exc)[:200]
+            tune[name] = repr(exc)[:200]
+        print("tune", name, tune[name], flush=True)
     print(f"tune (ms at batch {S} x {L}):", tune)
     log("tune", tune, out)
     best = min((k for k in tune if isinstance(tune[k], float)), key=lambda k: tune[k])
-    pages, warps = int(best[1]), int(best[3:])
+    cfg = configs[[ "p{}w{}s{}v{}f{}r{}".format(*c) for c in configs].index(best)]
+    pages = cfg[0]
+    for S2, L2 in ((8, 1024), (2, 32768)):  # the chosen config against fp32 too, poisoned, twice
+        bt2, lens2, q2 = make_case(S2, L2, 0)
+        o1, o2 = torch.full_like(q2, float("nan")), torch.full_like(q2, float("nan"))
+        ours(q2, bt2, lens2, L2, o1, cfg)()
+        ours(q2, bt2, lens2, L2, o2, cfg)()
+        ref = ref_fp32(q2, bt2, L2)
+        row = {"batch": S2, "context": L2, "cfg": best, "ours_rel_err": float((o1.float() - ref).norm() / ref.norm()),
+               "ours_nan": bool(o1.isnan().any()),
+               "ours_deterministic": bool(torch.equal(o1.view(torch.int16), o2.view(torch.int16)))}
+        acc_rows.append(row)
+        print("accuracy (best config)", row)
 
     rows = []
     l2 = 60e6
@@ -317,7 +353,7 @@ def main() -> None:  # noqa: C901, PLR0915
                     if first + S * nbs > nblocks:
                         first = 0
                 outs = [torch.empty_like(c[2]) for c in cases]
-                fns = [ours(q, bt, lens, L, o, pages, warps) for (bt, lens, q), o in zip(cases, outs, strict=True)]
+                fns = [ours(q, bt, lens, L, o, cfg) for (bt, lens, q), o in zip(cases, outs, strict=True)]
                 row["splits"] = num_splits_for(S, H, L, B, pages)
                 row["ours_ms"] = bench_fn(lambda fns=fns: [f() for f in fns], True) / rot
                 row["ours_TBps"] = comp_bytes / row["ours_ms"] / 1e9

@@ -3,25 +3,31 @@
 One program per (sequence, KV head, context split). It holds the G = q_heads / kv_heads query rows of its
 KV head (padded to 16 rows for the tensor-core dot), the layer's exponent tables for that head packed as
 two int32 words per channel (codes 0-3 and 4-6, one byte each: `pack_tables`), and walks its share of the
-sequence's pages PAGES at a time:
+sequence's pages PAGES at a time. The decode runs on [tokens, D/32, 32] tiles (channel 32k + i at [.., k, i]),
+so each code word broadcasts to its 32 channels without a layout change; only the finished bf16 tile is
+reshaped to [tokens, D] for the dot:
 
-  sign/mantissa rows      16-byte loads of k_sm / v_sm
-  code planes             one int32 word per 32 channels and plane, broadcast over its 32 channels
-  exponent                (table word picked by bit 2) >> (8 * bits 0-1) & 0xFF
+  sign/mantissa rows      loads of k_sm / v_sm, VEC bytes wide (VEC also sets the channels a thread holds)
+  code planes             one int32 word per 32 channels and plane
+  exponent                prmt(lo, hi, code): byte `code` of the channel's 8-byte table (byte 7 = 0)
   escapes (code 7)        rank = prefix count of code-7 flags over the page in (token, channel) order:
                           a scan over the page's per-word escape popcounts plus popc of the lower
                           bits of the value's own word (plane0 & plane1 & plane2); byte `rank` of
                           the page's escape area, or arena byte offset + rank - reserve when
-                          rank >= reserve (branch taken only when one of
-                          the tile's pages owns an overflow run)
+                          rank >= reserve. On the GPU this is one predicated inline-asm byte load a value
+                          that picks the address itself (no branch; a tl.load gather there would also
+                          force a one-channel-a-lane layout on the whole tile).
   bf16                    (sm & 0x80) << 8 | exp << 7 | (sm & 0x7f)
 
-then an online softmax in fp32 (exp2), P·V with bf16 operands and fp32 accumulation. Long contexts are
+then an online softmax in fp32 (exp2), P·V with bf16 operands and fp32 accumulation. `prefetch` > 0
+prefetches the pages `prefetch` tiles ahead into L2; `maxnreg` caps registers (occupancy). Long contexts are
 split over programs; each split writes (o / l, m, l) and `_merge_kernel` combines the splits in a fixed
 order, so the same inputs give the same bits on every run. Decoded pages never reach device memory.
 
 `decode_pages` runs the same decoder (`_decode_half`) and writes the bf16 values, to check it bit for bit
 against the torch reference `KVPageCodec.read`. `reference_attention` is the fp32 torch reference.
+Under TRITON_INTERPRET=1 the inline-asm paths (prmt, popc, the escape load, prefetch) fall back to plain
+Triton ops and `maxnreg` is dropped.
 """
 
 from __future__ import annotations
@@ -61,53 +67,111 @@ def _popc(x, USE_ASM: tl.constexpr):
 
 
 @triton.jit
+def _lookup(lo, hi, c, USE_ASM: tl.constexpr):
+    """Exponent of 3-bit code c from the channel's table words (lo: codes 0-3, hi: codes 4-6 and a 0 byte)."""
+    if USE_ASM:  # prmt picks byte c of hi:lo; selector nibbles 7 give hi's byte 3 (0) for the upper bytes
+        return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [lo, hi, c | 0x7770],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        return (tl.where(c >= 4, hi, lo) >> ((c & 3) << 3)) & 0xFF
+
+
+@triton.jit
+def _load_byte_if(ptrs, mask, other, USE_ASM: tl.constexpr):
+    """where(mask, *ptrs (uint8), other) as int32. The inline-asm form keeps the gather from anchoring the tile's
+    layout (a tl.load of scattered bytes makes Triton lay the whole decode out one channel a lane)."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .u16 b; setp.ne.s32 p, $2, 0; mov.u32 $0, $3; "
+            "@p ld.global.nc.u8 b, [$1]; @p cvt.u32.u16 $0, b; }",
+            "=r,l,r,r", [ptrs.to(tl.int64, bitcast=True), mask.to(tl.int32), other], dtype=tl.int32,
+            is_pure=True, pack=1)
+    else:
+        return tl.where(mask, tl.load(ptrs, mask=mask, other=0).to(tl.int32), other)
+
+
+@triton.jit
+def _load_word(ptrs, USE_ASM: tl.constexpr):
+    """*ptrs (int32) through inline asm: like `_load_byte_if`, it leaves the layout to the tile's other operands."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise("ld.global.nc.b32 $0, [$1];", "=r,l", [ptrs.to(tl.int64, bitcast=True)],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        return tl.load(ptrs)
+
+
+@triton.jit
+def _prefetch_l2(ptrs, mask):
+    """prefetch.global.L2 of each masked-in address (GPU only: the result is a dummy)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }", "=r,l,r",
+        [ptrs.to(tl.int64, bitcast=True), mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _decode_half(cache_ptr, cache_w_ptr, arena_ptr, ovf_row_ptr, page_off, row, valid, lo, hi, kv_col,
                  SM_OFF: tl.constexpr, CODE_OFF: tl.constexpr, ESC_OFF: tl.constexpr, RES: tl.constexpr,
                  B: tl.constexpr, D: tl.constexpr, PAGES: tl.constexpr, CHECK_OVF: tl.constexpr,
-                 USE_ASM: tl.constexpr):
+                 USE_ASM: tl.constexpr, VEC: tl.constexpr = 16):
     """Decode K or V of PAGES pages: [T = PAGES*B, D] bf16.
 
-    page_off (bytes), row (in page), valid and ovf_row_ptr (the page's `ptr[block, head]` pair) are [T].
+    page_off (bytes), row (in page), valid and ovf_row_ptr (the page's `ptr[block, head]` pair) are [T];
+    lo/hi are the packed table words [1, W, 32]. Everything runs on [T, W, 32] tiles (channel 32k + i
+    at [.., k, i]) so that the code words broadcast to their 32 channels without a layout change; only
+    the finished bf16 tile is reshaped to [T, D].
     """
     T: tl.constexpr = PAGES * B
     W: tl.constexpr = D // 32
     CB: tl.constexpr = 3 * D // 8
-    d = tl.arange(0, D)
-    sm = tl.load(cache_ptr + page_off[:, None] + SM_OFF + row[:, None] * D + d[None, :]).to(tl.int32)
+    i3 = tl.arange(0, 32)[None, None, :]
+    # (i3 // VEC) * VEC + i3 % VEC == i3, written so that the compiler sees runs of VEC contiguous channels
+    # only: that caps the sm load's vector width, and so the channels (and table words) a thread holds.
+    ch = tl.arange(0, W)[None, :, None] * 32 + (i3 // VEC) * VEC + i3 % VEC  # [1, W, 32]
+    po = page_off[:, None, None]
+    sm = tl.load(cache_ptr + po + SM_OFF + row[:, None, None] * D + ch).to(tl.int32)
     # Code planes as int32 words: word k of plane p holds bit p of channels 32k..32k+31 (little endian).
     wbase = (page_off + CODE_OFF + row * CB) // 4
-    k = tl.arange(0, W)
-    sh = tl.arange(0, 32)[None, None, :]
-    w0 = tl.load(cache_w_ptr + wbase[:, None] + k[None, :])
-    w1 = tl.load(cache_w_ptr + wbase[:, None] + (D // 32) + k[None, :])
-    w2 = tl.load(cache_w_ptr + wbase[:, None] + 2 * (D // 32) + k[None, :])
-    c0 = tl.reshape((w0[:, :, None] >> sh) & 1, (T, D))
-    c1 = tl.reshape((w1[:, :, None] >> sh) & 1, (T, D))
-    c2 = tl.reshape((w2[:, :, None] >> sh) & 1, (T, D))
-    tbl = tl.where(c2 != 0, hi[None, :], lo[None, :])
-    e = (tbl >> ((c0 | (c1 << 1)) << 3)) & 0xFF
-    esc = c0 & c1 & c2
+    k = tl.arange(0, W)[None, :]
+    w0 = tl.load(cache_w_ptr + wbase[:, None] + k)  # [T, W]
+    w1 = tl.load(cache_w_ptr + wbase[:, None] + W + k)
+    w2 = tl.load(cache_w_ptr + wbase[:, None] + 2 * W + k)
+    c = ((w0[:, :, None] >> i3) & 1) | (((w1[:, :, None] >> i3) & 1) << 1) | (((w2[:, :, None] >> i3) & 1) << 2)
+    e = _lookup(tl.broadcast_to(lo, (T, W, 32)), tl.broadcast_to(hi, (T, W, 32)), c, USE_ASM)
     # Rank of each escape within its page, (token, channel) order: escapes of the earlier words of the
     # page (a scan over PAGES x B*W word counts) plus those below the channel in its own word (popcount).
     ew = w0 & w1 & w2  # [T, W]: bit i set = channel 32k+i escapes
     cnt = _popc(ew, USE_ASM)
     flat = tl.reshape(cnt, (PAGES, B * W))
     wpre = tl.reshape(tl.cumsum(flat, axis=1) - flat, (T, W))
-    below = (1 << sh) - 1
-    rank = tl.reshape(wpre[:, :, None] + _popc(ew[:, :, None] & below, USE_ASM), (T, D))
-    is_esc = (esc != 0) & valid[:, None]
-    in_page = is_esc & (rank < RES)
-    ev = tl.load(cache_ptr + page_off[:, None] + ESC_OFF + rank, mask=in_page, other=0).to(tl.int32)
-    e = tl.where(is_esc, ev, e)
-    if CHECK_OVF:
+    rank = wpre[:, :, None] + _popc(ew[:, :, None] & ((1 << i3) - 1), USE_ASM)
+    is_esc = (c == 7) & valid[:, None, None]
+    if USE_ASM and CHECK_OVF:
+        # One predicated byte load a value, from the page (rank < RES) or from the page's overflow run: the
+        # address is picked inside the asm, so no branch keeps the tile alive (that cost ~60 registers).
         optr = tl.load(ovf_row_ptr + kv_col, mask=valid, other=-1)  # [T]
-        if tl.max(optr, axis=0) >= 0:
-            obase = (optr >> 4).to(tl.int64) * 16
-            past = is_esc & (rank >= RES) & (optr >= 0)[:, None]
-            ov = tl.load(arena_ptr + obase[:, None] + (rank - RES), mask=past, other=0).to(tl.int32)
-            e = tl.where(past, ov, e)
+        obase = arena_ptr + ((optr >> 4).to(tl.int64) * 16 - RES)
+        flag = is_esc & ((rank < RES) | (optr >= 0)[:, None, None])
+        e = tl.inline_asm_elementwise(
+            "{ .reg .pred p, q; .reg .u16 b; .reg .u64 a, o; setp.ne.s32 p, $4, 0; setp.lt.s32 q, $3, $5; "
+            "selp.b64 a, $1, $2, q; cvt.s64.s32 o, $3; add.s64 a, a, o; mov.u32 $0, $6; "
+            "@p ld.global.nc.u8 b, [a]; @p cvt.u32.u16 $0, b; }",
+            "=r,l,l,r,r,r,r",
+            [tl.broadcast_to((cache_ptr + page_off + ESC_OFF).to(tl.int64, bitcast=True)[:, None, None], (T, W, 32)),
+             tl.broadcast_to(obase.to(tl.int64, bitcast=True)[:, None, None], (T, W, 32)), rank,
+             flag.to(tl.int32), tl.full((T, W, 32), RES, tl.int32), e],
+            dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        in_page = is_esc & (rank < RES)
+        e = _load_byte_if(cache_ptr + po + ESC_OFF + rank, in_page, e, USE_ASM)
+        if CHECK_OVF:
+            optr = tl.load(ovf_row_ptr + kv_col, mask=valid, other=-1)  # [T]
+            if tl.max(optr, axis=0) >= 0:
+                obase = (optr >> 4).to(tl.int64) * 16
+                past = is_esc & (rank >= RES) & (optr >= 0)[:, None, None]
+                ov = tl.load(arena_ptr + obase[:, None, None] + (rank - RES), mask=past, other=0).to(tl.int32)
+                e = tl.where(past, ov, e)
     bits = ((sm & 0x80) << 8) | (e << 7) | (sm & 0x7F)
-    return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return tl.reshape(bits.to(tl.int16).to(tl.bfloat16, bitcast=True), (T, D))
 
 
 @triton.jit
@@ -118,7 +182,7 @@ def _attn_kernel(q_ptr, out_ptr, part_o_ptr, part_ml_ptr, cache_ptr, cache_w_ptr
                  K_SM: tl.constexpr, V_SM: tl.constexpr, K_CODE: tl.constexpr, V_CODE: tl.constexpr,
                  K_ESC: tl.constexpr, V_ESC: tl.constexpr, K_RES: tl.constexpr, V_RES: tl.constexpr,
                  NUM_SPLITS: tl.constexpr, CHECK_OVF: tl.constexpr, DOT_F32: tl.constexpr,
-                 USE_ASM: tl.constexpr):
+                 USE_ASM: tl.constexpr, VEC: tl.constexpr, PREFETCH: tl.constexpr):
     seq = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -133,12 +197,13 @@ def _attn_kernel(q_ptr, out_ptr, part_o_ptr, part_ml_ptr, cache_ptr, cache_w_ptr
     gmask = g < G
     q = tl.load(q_ptr + seq.to(tl.int64) * stride_q0 + (h * G + g)[:, None] * stride_q1 + d[None, :],
                 mask=gmask[:, None], other=0.0).to(tl.bfloat16)
-    tk = tbl_ptr + (h * D + d) * 2
-    tv = tbl_ptr + ((num_kv_heads + h) * D + d) * 2
-    k_lo = tl.load(tk)
-    k_hi = tl.load(tk + 1)
-    v_lo = tl.load(tv)
-    v_hi = tl.load(tv + 1)
+    ch = tl.arange(0, D // 32)[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]  # [1, W, 32]
+    tk = tbl_ptr + (h * D + ch) * 2
+    tv = tbl_ptr + ((num_kv_heads + h) * D + ch) * 2
+    k_lo = _load_word(tk, USE_ASM)
+    k_hi = _load_word(tk + 1, USE_ASM)
+    v_lo = _load_word(tv, USE_ASM)
+    v_hi = _load_word(tv + 1, USE_ASM)
 
     m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -155,10 +220,18 @@ def _attn_kernel(q_ptr, out_ptr, part_o_ptr, part_ml_ptr, cache_ptr, cache_w_ptr
         page_off = (blk64 * num_kv_heads + h) * page_bytes
         valid = pvalid & (pidx * B + row < seq_len)
         ob = blk64 * num_kv_heads * 2
+        if PREFETCH > 0:  # the whole page of the tile PREFETCH tiles ahead, into L2 (4 lines a token row)
+            nidx = p0 + PREFETCH * PAGES + pg
+            nvalid = nidx < p_end
+            nblk = tl.load(block_table_ptr + seq.to(tl.int64) * bt_stride + nidx, mask=nvalid, other=0)
+            rb = page_bytes // B
+            noff = row[:, None] * rb + tl.arange(0, 4)[None, :] * 128
+            npage = cache_ptr + (nblk.to(tl.int64) * num_kv_heads + h) * page_bytes
+            _prefetch_l2(npage[:, None] + noff, nvalid[:, None] & (noff < page_bytes))
         kt = _decode_half(cache_ptr, cache_w_ptr, arena_ptr, ovf_head + ob, page_off, row, valid, k_lo, k_hi,
-                          0, K_SM, K_CODE, K_ESC, K_RES, B, D, PAGES, CHECK_OVF, USE_ASM)
+                          0, K_SM, K_CODE, K_ESC, K_RES, B, D, PAGES, CHECK_OVF, USE_ASM, VEC)
         vt = _decode_half(cache_ptr, cache_w_ptr, arena_ptr, ovf_head + ob, page_off, row, valid, v_lo, v_hi,
-                          1, V_SM, V_CODE, V_ESC, V_RES, B, D, PAGES, CHECK_OVF, USE_ASM)
+                          1, V_SM, V_CODE, V_ESC, V_RES, B, D, PAGES, CHECK_OVF, USE_ASM, VEC)
         if DOT_F32:  # the CPU interpreter multiplies bf16 dot operands as raw bits: widen them there
             s = tl.dot(q.to(tl.float32), tl.trans(kt.to(tl.float32))) * scale_log2
         else:
@@ -244,7 +317,8 @@ def num_splits_for(batch: int, num_kv_heads: int, max_seq_len: int, block_size: 
 def kv_decode_attention(query: torch.Tensor, cache: torch.Tensor, layout: KVPageLayout, tables: torch.Tensor,
                         block_table: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int, scale: float,
                         overflow: OverflowStore | None = None, out: torch.Tensor | None = None,
-                        num_splits: int | None = None, pages: int = 2, num_warps: int = 4,
+                        num_splits: int | None = None, pages: int = 1, num_warps: int = 4, num_stages: int = 1,
+                        vec: int = 4, prefetch: int = 1, maxnreg: int | None = 168,
                         scratch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Decode attention, one query token per sequence.
 
@@ -252,6 +326,9 @@ def kv_decode_attention(query: torch.Tensor, cache: torch.Tensor, layout: KVPage
     tables int32 [2, H, D, 2] from `pack_tables(decode_table_of_the_layer)`; block_table int32 [S, max_blocks];
     seq_lens int32 [S]; `max_seq_len` (host int) sizes the split. overflow: the layer's store, with `ptr` and
     `arena` on the cache's device (None: no page overflowed). Returns out [S, Hq, D] in query's dtype.
+    Tuning (defaults: the best of bench/gpu.py's sweep on the H200 at 32 x 8k, 2026-11-30): pages a tile,
+    num_warps, num_stages, vec (bytes a thread loads along channels: 4 or 16), prefetch (tiles ahead, 0 = off),
+    maxnreg (register cap, None = ptxas's choice).
     """
     _check(cache, layout)
     S, Hq, D = query.shape
@@ -279,8 +356,9 @@ def kv_decode_attention(query: torch.Tensor, cache: torch.Tensor, layout: KVPage
         scale * 1.4426950408889634, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         block_table.stride(0), layout.page_bytes, H, pages_per_split,
         G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), D=D, B=layout.block_size, PAGES=pages,
-        NUM_SPLITS=num_splits, CHECK_OVF=check_ovf, DOT_F32=_INTERPRET, USE_ASM=not _INTERPRET,
-        num_warps=num_warps, **_offsets(layout))
+        NUM_SPLITS=num_splits, CHECK_OVF=check_ovf, DOT_F32=_INTERPRET, USE_ASM=not _INTERPRET, VEC=vec,
+        PREFETCH=0 if _INTERPRET else prefetch, num_warps=num_warps, num_stages=num_stages,
+        **({"maxnreg": maxnreg} if maxnreg and not _INTERPRET else {}), **_offsets(layout))
     if num_splits > 1:
         _merge_kernel[(S, Hq)](out, part_o, part_ml, out.stride(0), out.stride(1), Hq, D=D,
                                NUM_SPLITS=num_splits, S_PAD=max(2, triton.next_power_of_2(num_splits)))
@@ -302,8 +380,9 @@ def _decode_pages_kernel(cache_ptr, cache_w_ptr, tbl_ptr, ovf_ptr, arena_ptr, bl
     page_off = (blk * num_kv_heads + h) * page_bytes + row * 0
     valid = row < B
     ob = ovf_ptr + (blk * num_kv_heads + h) * 2 + row * 0
-    tk = tbl_ptr + (h * D + d) * 2
-    tv = tbl_ptr + ((num_kv_heads + h) * D + d) * 2
+    ch = tl.arange(0, D // 32)[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]  # [1, W, 32]
+    tk = tbl_ptr + (h * D + ch) * 2
+    tv = tbl_ptr + ((num_kv_heads + h) * D + ch) * 2
     kt = _decode_half(cache_ptr, cache_w_ptr, arena_ptr, ob, page_off, row, valid, tl.load(tk), tl.load(tk + 1),
                       0, K_SM, K_CODE, K_ESC, K_RES, B, D, 1, CHECK_OVF, USE_ASM)
     vt = _decode_half(cache_ptr, cache_w_ptr, arena_ptr, ob, page_off, row, valid, tl.load(tv), tl.load(tv + 1),

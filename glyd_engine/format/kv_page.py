@@ -184,8 +184,8 @@ class OverflowStore:
         """
         key = blocks * self.num_heads + heads
         pages, inverse = torch.unique(key, return_inverse=True)
-        most = torch.zeros(pages.numel(), dtype=torch.int64).scatter_reduce_(0, inverse, need, "amax",
-                                                                             include_self=False)
+        most = torch.zeros(pages.numel(), dtype=torch.int64, device=need.device)
+        most.scatter_reduce_(0, inverse, need, "amax", include_self=False)
         pb, ph = pages // self.num_heads, pages % self.num_heads
         old_off, cap = self.unpack(self.ptr[pb, ph, kv])
         short = (cap < most).nonzero().flatten().tolist()

@@ -102,8 +102,8 @@ def _paged(lens, H, D, B, e, g, kv=None):  # noqa: ANN001, ANN202
     return lay, dec, cache, ovf, bt, list(torch.split(k, lens)), list(torch.split(v, lens))
 
 
-@pytest.mark.parametrize("D,G,splits", [(64, 4, None), (128, 2, 3)])
-def test_attention_matches_fp32_reference(D: int, G: int, splits: int | None) -> None:
+@pytest.mark.parametrize("D,G,splits,kw", [(64, 4, None, {}), (128, 2, 3, {"pages": 2, "vec": 16})])
+def test_attention_matches_fp32_reference(D: int, G: int, splits: int | None, kw: dict) -> None:
     g = torch.Generator().manual_seed(7 + D)
     H, B = 2, 16
     lens = [1, 23, 130]
@@ -115,14 +115,14 @@ def test_attention_matches_fp32_reference(D: int, G: int, splits: int | None) ->
     for num_splits in (splits, 1):
         out = torch.full_like(q, float("nan"))
         kv_decode_attention(q, cache, lay, pack_tables(dec), bt, torch.tensor(lens, dtype=torch.int32), max(lens),
-                            scale, ovf, out=out, num_splits=num_splits)
+                            scale, ovf, out=out, num_splits=num_splits, **kw)
         assert not out.isnan().any()
         err = float((out.float() - ref).norm() / ref.norm())
         assert err < 1e-2, err
         outs.append(out)
     again = torch.full_like(q, float("nan"))
     kv_decode_attention(q, cache, lay, pack_tables(dec), bt, torch.tensor(lens, dtype=torch.int32), max(lens),
-                        scale, ovf, out=again, num_splits=splits)
+                        scale, ovf, out=again, num_splits=splits, **kw)
     assert torch.equal(_bits(again), _bits(outs[0])), "same inputs, same bits"
 
 
