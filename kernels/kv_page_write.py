@@ -42,17 +42,6 @@ class DeviceOverflowStore(OverflowStore):
         self.ptr = self.ptr.to(self.device)
         self.arena = self.arena.to(self.device)
 
-    def _take(self, size: int) -> int:
-        runs = self.free.get(size)
-        if runs:
-            return runs.pop()
-        if self._top + size > self.arena.numel():
-            grow = max(self._top + size - self.arena.numel(), self.arena.numel(), 4096)
-            self.arena = torch.cat([self.arena, torch.zeros(grow, dtype=torch.uint8, device=self.arena.device)])
-            self.grows += 1
-        self._top += size
-        return self._top - size
-
 
 @dataclass
 class WriteCounters:

@@ -22,6 +22,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     from glyd_engine.commands.bench_kv import add_kv_parser
 
     add_kv_parser(which)
+    from glyd_engine.commands.bench_rare import add_rare_parser
+
+    add_rare_parser(which)
 
 
 def run_codec(args: argparse.Namespace) -> int:

@@ -205,7 +205,7 @@ class OverflowStore:
             return runs.pop()
         if self._top + size > self.arena.numel():
             grow = max(self._top + size - self.arena.numel(), self.arena.numel(), 4096)
-            self.arena = torch.cat([self.arena, torch.zeros(grow, dtype=torch.uint8)])
+            self.arena = torch.cat([self.arena, torch.zeros(grow, dtype=torch.uint8, device=self.arena.device)])
             self.grows += 1
         self._top += size
         return self._top - size

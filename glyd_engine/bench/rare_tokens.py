@@ -1,0 +1,194 @@
+"""Prompts built from a model's least-trained tokens, served by the real vLLM engine next to ordinary ones.
+
+Finding the tokens (the "Magikarp" indicator, Land & Bartolo 2024, for tied embeddings): tokens that training
+never (or hardly) showed the model keep rows of the embedding matrix that sit where untrained rows sit.
+
+1. Rows: the unembedding matrix (`lm_head.weight`), or the input embeddings when they are tied (SmolLM2).
+2. Remove the mean row and then the first principal component of what is left: a direction every row shares,
+   which would otherwise dominate the cosines below.
+3. Reference: the rows of special tokens the model never saw in text (for SmolLM2 the StarCoder code-data
+   markers `<repo_name>` .. `<empty_output>`, ids 3-16; their rows are near identical, i.e. never updated).
+   The control tokens `<|endoftext|>`, `<|im_start|>`, `<|im_end|>` are trained and left out of it.
+4. Score every token by the cosine of its row with the reference mean; the highest are the least trained.
+5. Keep only ordinary tokens: no special/added/control token, and only tokens that round-trip, i.e. whose
+   decoded text encodes back to exactly that one id (a prompt of them is what a user could send as text).
+
+On SmolLM2-135M-Instruct the top of the list is `ĠInstancePreprocess`, `ManagementPlaneProtection`,
+`Ġtransistorsum`, `PlaneProtection`, `MetaInfoClass`, `swigfaiss`, `kinesisfirehose`, then word stems the
+tokenizer always merges further (`Ġquestionna`, `Ġbiomark`, `Ġglimp`, `Ġcockro`, `Ġmeticul`).
+
+The engine child (`python -m glyd_engine.bench.rare_tokens --child SPEC`) reuses glyd_engine.bench.kv's engine
+and prints one `GLYD_RESULT` line, like `glyd_engine.bench.kv`'s children.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from glyd_engine.bench.kv import RESULT, corpus_ids
+
+REFERENCE_SKIP = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # trained control tokens: not a reference
+
+
+def _rows(model_dir: Path) -> Any:
+    """The unembedding rows (the input embeddings when tied), float32 [vocab, hidden]."""
+    from safetensors import safe_open
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    found: dict[str, Any] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for key in st.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                if key.endswith("lm_head.weight") or key.endswith("embed_tokens.weight"):
+                    found["lm_head" if "lm_head" in key else "embed"] = st.get_tensor(key)
+    rows = found.get("lm_head", found.get("embed"))
+    if rows is None:
+        raise ValueError(f"no embedding or lm_head weight in {model_dir}")
+    return rows.float()
+
+
+def find_rare_tokens(model_dir: Path, n: int = 64, tokenizer: Any = None) -> list[dict[str, Any]]:
+    """The n least-trained ordinary tokens, best first: [{"id", "token", "score"}] (see the module doc)."""
+    import torch
+
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    rows = _rows(model_dir)
+    special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))
+    reference = sorted(i for i in special if i < rows.shape[0]
+                       and tokenizer.convert_ids_to_tokens(i) not in REFERENCE_SKIP)
+    if not reference:
+        raise ValueError("the tokenizer has no unused special tokens to take as the untrained reference")
+    centred = rows - rows.mean(0)
+    _, _, v = torch.pca_lowrank(centred, q=1, center=False)
+    pc = v[:, 0]
+    centred = centred - (centred @ pc)[:, None] * pc[None, :]
+    ref = centred[reference].mean(0)
+    score = torch.nn.functional.cosine_similarity(centred, ref[None, :], dim=1)
+    out: list[dict[str, Any]] = []
+    for i in score.argsort(descending=True).tolist():
+        if i in special or i >= len(tokenizer):
+            continue
+        text = tokenizer.decode([i])
+        if tokenizer(text, add_special_tokens=False)["input_ids"] != [i]:
+            continue
+        out.append({"id": i, "token": tokenizer.convert_ids_to_tokens(i), "score": round(float(score[i]), 4)})
+        if len(out) >= n:
+            break
+    return out
+
+
+def rare_prompts(ids: list[int], n: int, length: int, seed: int = 0) -> list[list[int]]:
+    """n prompts of `length` ids drawn (seeded, with replacement) from `ids`; each prompt its own draw."""
+    rng = random.Random(seed)
+    return [[rng.choice(ids) for _ in range(length)] for _ in range(n)]
+
+
+def workload(tokenizer: Any, model_dir: Path, spec: dict[str, Any]) -> tuple[list[list[int]], list[dict]]:
+    """The rare prompts then the ordinary ones (held-out corpus text) a spec's `rare` entry names."""
+    r = spec["rare"]
+    rare = find_rare_tokens(model_dir, int(r.get("vocab", 64)), tokenizer)
+    prompts = rare_prompts([t["id"] for t in rare], int(r["n"]), int(r["length"]), int(r.get("seed", 0)))
+    prompts += [corpus_ids(tokenizer, int(r["ordinary_length"]), skip=211 * i) for i in range(int(r["ordinary"]))]
+    return prompts, rare
+
+
+def run_rare_child(spec: dict[str, Any]) -> dict[str, Any]:
+    """One engine: every prompt at once, greedy, `max_tokens` each (EOS ignored); timings, counters."""
+    import vllm
+
+    from glyd_engine.bench.kv import _counters, _engine, _greedy
+
+    t0 = time.monotonic()
+    llm = _engine(spec)
+    cfg = llm.llm_engine.vllm_config.cache_config
+    res: dict[str, Any] = {"mode": spec["mode"], "vllm": vllm.__version__, "start_s": round(time.monotonic() - t0, 1),
+                           "num_blocks": cfg.num_gpu_blocks, "block_size": cfg.block_size,
+                           "kv_tokens": int(cfg.num_gpu_blocks or 0) * int(cfg.block_size)}
+    prompts, rare = workload(llm.get_tokenizer(), Path(spec["model"]), spec)
+    max_tokens = int(spec["rare"]["max_tokens"])
+    n_rare = int(spec["rare"]["n"])
+    t = time.monotonic()
+    outs = _greedy(llm, prompts, max_tokens)
+    dt = time.monotonic() - t
+    prompt_tokens = sum(map(len, prompts))
+    res.update({
+        "rare_tokens": rare[:12], "rare_vocab": len(rare), "requests": len(prompts), "rare_requests": n_rare,
+        "completed": sum(len(o) == max_tokens for o in outs), "prompt_tokens": prompt_tokens,
+        "generated_tokens": sum(map(len, outs)), "seconds": round(dt, 2),
+        "prompt_tokens_per_s": round(prompt_tokens / dt, 1), "outputs": outs,
+    })
+    res["metrics"] = _counters(llm)
+    if spec["mode"] != "off":
+        from glyd_engine.vllm_plugin.state import worker_stats
+
+        stats = llm.collective_rpc(worker_stats)
+        res["stats"] = {k: sum(int(s[k]) for s in stats) for k in stats[0]} if stats else {}
+    res["total_s"] = round(time.monotonic() - t0, 1)
+    return res
+
+
+def run_engine(spec: dict[str, Any], timeout: float = 1800) -> dict[str, Any]:
+    """glyd_engine.bench.kv.run_engine, with this module's child."""
+    import subprocess
+
+    from glyd_engine.bench.kv import child_env
+
+    spec = {**spec, "model": str(spec["model"])}
+    proc = subprocess.run([sys.executable, "-m", "glyd_engine.bench.rare_tokens", "--child", json.dumps(spec)],
+                          capture_output=True, text=True, timeout=timeout, env=child_env())
+    text = proc.stdout + "\n" + proc.stderr
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(RESULT):
+            out = json.loads(line[len(RESULT):])
+            out["log"] = text
+            return out
+    raise RuntimeError(f"engine ({spec['mode']}) failed, rc={proc.returncode}:\n{text[-6000:]}")
+
+
+def run_rare_bench(model: Path, kv_bytes: int, n: int = 40, length: int = 1400, ordinary: int = 8,
+                   ordinary_length: int = 1400, max_tokens: int = 2, check: bool = True,
+                   modes: tuple[str, ...] = ("off", "lossless")) -> dict[str, Any]:
+    """Off, then lossless (read-back check on unless check=False), same KV memory, every prompt at once."""
+    longest = max(length, ordinary_length) + max_tokens
+    base = {"model": str(model), "kv_bytes": kv_bytes, "max_model_len": max(2048, longest + 16),
+            "rare": {"n": n, "length": length, "ordinary": ordinary, "ordinary_length": ordinary_length,
+                     "max_tokens": max_tokens}}
+    runs = {m: run_engine({**base, "mode": m, **({"check": True} if check and m != "off" else {})}) for m in modes}
+    result: dict[str, Any] = {"model": str(model), "kv_cache_memory_bytes": kv_bytes, "rare_prompts": n,
+                              "rare_length": length, "ordinary_prompts": ordinary, "ordinary_length": ordinary_length,
+                              "max_tokens": max_tokens, "read_back_check": check}
+    for m, r in runs.items():
+        result[m] = {k: r[k] for k in ("kv_tokens", "requests", "completed", "prompt_tokens", "seconds",
+                                       "prompt_tokens_per_s", "start_s") if k in r}
+        if "stats" in r:
+            s = r["stats"]
+            result[m].update({k: s.get(k, 0) for k in ("values_written", "values_checked", "values_differing",
+                                                       "escapes", "overflow_values", "overflow_bytes_held")})
+    first = next(iter(runs.values()))
+    result["rare_tokens"] = [t["token"] for t in first["rare_tokens"]]
+    if "off" in runs and "lossless" in runs:
+        result["throughput_ratio"] = round(runs["lossless"]["prompt_tokens_per_s"]
+                                           / runs["off"]["prompt_tokens_per_s"], 3)
+        result["outputs_equal_off"] = runs["lossless"]["outputs"] == runs["off"]["outputs"]
+    result["vllm_version"] = first["vllm"]
+    return result
+
+
+def _child_main(argv: list[str]) -> int:
+    spec = json.loads(argv[argv.index("--child") + 1])
+    res = run_rare_child(spec)
+    sys.stdout.write(RESULT + json.dumps(res) + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_child_main(sys.argv))
