@@ -157,10 +157,12 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def run_engine(spec: dict[str, Any], timeout: float = 900, log: Path | None = None) -> dict[str, Any]:
-    """Run one engine child; its result dict, or RuntimeError with the log's tail (and its first Glyd line)."""
+def run_engine(spec: dict[str, Any], timeout: float = 900, log: Path | None = None,
+               module: str = "glyd_engine.bench.kv") -> dict[str, Any]:
+    """Run one engine child (`python -m module --child SPEC`); its result dict, or RuntimeError with the
+    log's tail (and its first Glyd line)."""
     spec = {**spec, "model": str(spec["model"])}
-    proc = subprocess.run([sys.executable, "-m", "glyd_engine.bench.kv", "--child", json.dumps(spec)],
+    proc = subprocess.run([sys.executable, "-m", module, "--child", json.dumps(spec)],
                           capture_output=True, text=True, timeout=timeout, env=child_env())
     text = proc.stdout + "\n" + proc.stderr
     if log is not None:
@@ -209,13 +211,14 @@ def run_kv_bench(model: Path, kv_bytes: int = DEFAULT_KV_BYTES, logprob_tokens: 
     }
 
 
-def _child_main(argv: list[str]) -> int:
+def child_main(argv: list[str], run: Any = None) -> int:
+    """A child's entry: run the spec given after --child and print its result line for `run_engine`."""
     spec = json.loads(argv[argv.index("--child") + 1])
-    res = run_child(spec)
+    res = (run or run_child)(spec)
     sys.stdout.write(RESULT + json.dumps(res) + "\n")
     sys.stdout.flush()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(_child_main(sys.argv))
+    sys.exit(child_main(sys.argv))

@@ -23,14 +23,13 @@ and prints one `GLYD_RESULT` line, like `glyd_engine.bench.kv`'s children.
 
 from __future__ import annotations
 
-import json
 import random
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from glyd_engine.bench.kv import RESULT, corpus_ids
+from glyd_engine.bench.kv import corpus_ids
 
 REFERENCE_SKIP = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # trained control tokens: not a reference
 
@@ -137,20 +136,9 @@ def run_rare_child(spec: dict[str, Any]) -> dict[str, Any]:
 
 def run_engine(spec: dict[str, Any], timeout: float = 1800) -> dict[str, Any]:
     """glyd_engine.bench.kv.run_engine, with this module's child."""
-    import subprocess
+    from glyd_engine.bench import kv
 
-    from glyd_engine.bench.kv import child_env
-
-    spec = {**spec, "model": str(spec["model"])}
-    proc = subprocess.run([sys.executable, "-m", "glyd_engine.bench.rare_tokens", "--child", json.dumps(spec)],
-                          capture_output=True, text=True, timeout=timeout, env=child_env())
-    text = proc.stdout + "\n" + proc.stderr
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith(RESULT):
-            out = json.loads(line[len(RESULT):])
-            out["log"] = text
-            return out
-    raise RuntimeError(f"engine ({spec['mode']}) failed, rc={proc.returncode}:\n{text[-6000:]}")
+    return kv.run_engine(spec, timeout, module="glyd_engine.bench.rare_tokens")
 
 
 def run_rare_bench(model: Path, kv_bytes: int, n: int = 40, length: int = 1400, ordinary: int = 8,
@@ -182,13 +170,7 @@ def run_rare_bench(model: Path, kv_bytes: int, n: int = 40, length: int = 1400, 
     return result
 
 
-def _child_main(argv: list[str]) -> int:
-    spec = json.loads(argv[argv.index("--child") + 1])
-    res = run_rare_child(spec)
-    sys.stdout.write(RESULT + json.dumps(res) + "\n")
-    sys.stdout.flush()
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(_child_main(sys.argv))
+    from glyd_engine.bench.kv import child_main
+
+    sys.exit(child_main(sys.argv, run_rare_child))
