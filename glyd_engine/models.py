@@ -190,6 +190,9 @@ def model_fingerprint(model_dir: Path, sample_bytes: int = 64 * 1024) -> str:
     layout but different values. Reads well under a megabyte per file, so 16 GB models cost nothing.
     """
     model_dir = validate_model_dir(model_dir)
+    quant = (_read_json(model_dir / "config.json") or {}).get("quantization_config") or {}
+    if quant.get("quant_method") == "glyd" and isinstance(quant.get("source_fingerprint"), str):
+        return quant["source_fingerprint"]  # a Glyd checkpoint holds its source's values bit for bit
     h = hashlib.sha256(b"glyd-model-fingerprint-v1\0")
     h.update((model_dir / "config.json").read_bytes())
     for file in sorted(model_dir.glob("*.safetensors")):

@@ -168,8 +168,12 @@ def pack_model(src: Path, dst: Path, progress: ProgressCallback = no_progress,
         (tmp / INDEX).write_text(json.dumps({"metadata": {"format": "glyd"}, "weight_map": writer.weight_map},
                                             indent=1))
         config = json.loads((src / "config.json").read_text())
+        from glyd_engine.models import model_fingerprint
+
+        # The same values as the source: per-model caches (the KV tables) are shared through its fingerprint.
         config["quantization_config"] = {"quant_method": QUANT_METHOD, "format_version": FORMAT_VERSION,
-                                         "chunk": weights.CHUNK, "min_packed_values": MIN_PACKED_VALUES}
+                                         "chunk": weights.CHUNK, "min_packed_values": MIN_PACKED_VALUES,
+                                         "source_fingerprint": model_fingerprint(src)}
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         for extra in sorted(src.iterdir()):
             if extra.is_file() and extra.suffix != ".safetensors" and extra.name not in ("config.json", INDEX):
@@ -210,6 +214,33 @@ def _iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, str, object]]:
             yield "packed", name, weights.PackedTensor.from_parts(name, parts)
 
 
+def _decoded(kind: str, name: str, payload: object) -> torch.Tensor:
+    """One logical tensor of a checkpoint, decoded and checked against its checksum."""
+    if kind == "packed":
+        try:
+            return weights.decode(payload, name)  # type: ignore[arg-type]
+        except ValueError as exc:
+            raise CorruptFileError(f"{name}: cannot be decoded ({exc})") from exc
+    t, crc = payload  # type: ignore[misc]
+    if _plain_crc(t) != crc:
+        raise CorruptFileError(f"{name}: stored bytes do not match their checksum (the file is damaged)")
+    return t
+
+
+def decoded_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of a Glyd checkpoint as the source model held it (for tools that need plain weights)."""
+    for kind, name, payload in _iter_checkpoint(model_dir):
+        yield name, _decoded(kind, name, payload)
+
+
+def is_glyd_checkpoint(model_dir: Path) -> bool:
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return (config.get("quantization_config") or {}).get("quant_method") == QUANT_METHOD
+
+
 @dataclass
 class VerifyReport(PackReport):
     checked: int = 0
@@ -234,19 +265,13 @@ def verify_model(model_dir: Path, against: Path | None = None, progress: Progres
     timer = PhaseTimer("verify", f"verifying {model_dir.name}", len(source) if source else None, progress)
     names: set[str] = set()
     for kind, name, payload in _iter_checkpoint(model_dir):
+        t = _decoded(kind, name, payload)
         if kind == "packed":
             p = payload
-            try:
-                t = weights.decode(p, name)
-            except ValueError as exc:
-                raise CorruptFileError(f"{name}: cannot be decoded ({exc})") from exc
             report.packed_values += p.numel
             report.packed_bytes += p.nbytes
             report.tensors.append((name, p.shape, p.bits_per_value))
         else:
-            t, crc = payload
-            if _plain_crc(t) != crc:
-                raise CorruptFileError(f"{name}: stored bytes do not match their checksum (the file is damaged)")
             report.plain_bytes += t.numel() * t.element_size()
         report.checked += 1
         names.add(name)

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from glyd_engine.errors import CorruptFileError
+
 KVCallback = Callable[[int, torch.Tensor, torch.Tensor], None]  # (layer, key [H,T,D], value [H,T,D])
 
 _NAME = "glyd_capture"
@@ -42,9 +44,23 @@ def load_model(model_dir: Path, dtype: torch.dtype = torch.bfloat16) -> Any:
     """
     from transformers import AttentionInterface, AutoModelForCausalLM
 
+    from glyd_engine.format.checkpoint import decoded_tensors, is_glyd_checkpoint
+
     AttentionInterface.register(_NAME, _capture_attention)
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype,
-                                                 attn_implementation=_NAME)
+    if is_glyd_checkpoint(model_dir):  # transformers cannot read the packed parts: decode them
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(str(model_dir))
+        del config.quantization_config
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=_NAME)
+        state = {name: t.to(dtype) for name, t in decoded_tensors(model_dir)}
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")]
+        if missing or unexpected:
+            raise CorruptFileError(f"{model_dir}: tensors missing {missing[:5]}, unexpected {unexpected[:5]}")
+        model.tie_weights()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation=_NAME)
     model.eval()
     return model
 

@@ -1,4 +1,4 @@
-"""The `glyd` vLLM plugin: lossless KV pages (and, later, Glyd-packed weights) inside vLLM.
+"""The `glyd` vLLM plugin: lossless KV pages and Glyd-packed weights (`--quantization glyd`) inside vLLM.
 
 `register()` is vLLM's `vllm.general_plugins` entry point: it runs once in every vLLM process (API
 server, engine core, workers) before models are built. It is idempotent, touches no accelerator, and
@@ -68,6 +68,8 @@ def register() -> None:
     from glyd_engine.vllm_plugin import settings
 
     asked = settings.asked_mode()  # raises ValueError for a misspelt GLYD_KV: better now than silently off
+    from glyd_engine.vllm_plugin import weights  # noqa: F401  (registers the "glyd" quantization config)
+
     missing = missing_hooks()
     if missing:
         import vllm

@@ -75,6 +75,9 @@ def _wrap_config_check(platform_cls: type) -> None:
         original(vllm_config)
         if getattr(vllm_config, "model_config", None) is None:
             return
+        from glyd_engine.vllm_plugin import weights
+
+        weights.check(vllm_config)  # --quantization glyd on a model that is not a Glyd checkpoint, etc.
         decision = settings.decide(vllm_config)  # raises for lossless/exact where it cannot hold
         settings.log_decision(decision)
 

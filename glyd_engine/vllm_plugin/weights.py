@@ -1,0 +1,342 @@
+"""`--quantization glyd`: serve a Glyd checkpoint with its weights compressed in memory.
+
+vLLM's loader maps each packed part (`q_proj.weight_glyd_sm` -> `qkv_proj.weight_glyd_sm`, shard 'q') onto
+a placeholder parameter of the layer; its loader keeps the part, by shard, without decoding. After loading,
+each layer's shards are checked (every part present, shapes as the layer expects), decoded once from the
+file's prefix code and re-coded into the resident form (format/resident.py, ~12 bits a weight), which stays
+in memory. Every matmul decodes its weight to bf16 and runs vLLM's own unquantized GEMM on it, so outputs
+equal the bf16 model's bit for bit; on CUDA the same op is where the fused Triton kernel goes (docs/gpu.md).
+The embedding decodes only the rows a batch looks up; a tied lm_head reads the embedding's resident weight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase, UnquantizedLinearMethod
+from vllm.model_executor.layers.quantization import register_quantization_config
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
+from vllm.model_executor.layers.vocab_parallel_embedding import (
+    UnquantizedEmbeddingMethod,
+    VocabParallelEmbedding,
+)
+
+from glyd_engine.errors import CorruptFileError, UnsupportedModelError
+from glyd_engine.format import FORMAT_VERSION, resident
+from glyd_engine.format import weights as wcode
+from glyd_engine.format.checkpoint import MIN_PACKED_VALUES, QUANT_METHOD
+
+PART_DTYPES = {"sm": torch.uint8, "exp": torch.int32, "off": torch.int32, "len": torch.uint8, "meta": torch.int64}
+QKV_SHARDS = {"q": 0, "k": 1, "v": 2}
+BUFFERS = ("glyd_sm", "glyd_offs", "glyd_esc_pos", "glyd_esc_bits")
+
+
+# -- the matmul: one op, plain torch decode + vLLM's GEMM here, the fused kernel on CUDA later ------------
+class _GemmHolder(torch.nn.Module):
+    """What vLLM's CPU GEMM dispatch reads (`weight`, `bias`) and writes (`cpu_linear`)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        # The dispatch may widen the bias in place (its small-GEMM kernel): never the caller's tensor.
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+
+def dense_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """vLLM's unquantized GEMM on a decoded weight: the same kernel choice as the bf16 model, same bits."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm, dispatch_unquantized_gemm
+    from vllm.platforms import current_platform
+
+    holder = _GemmHolder(weight, bias)
+    if current_platform.is_cpu():
+        dispatch_cpu_unquantized_gemm(holder, remove_weight=False)
+        return holder.cpu_linear(x, holder.weight, holder.bias)
+    return dispatch_unquantized_gemm()(holder, x, holder.weight, holder.bias)
+
+
+@torch.library.custom_op("glyd::resident_linear", mutates_args=())
+def resident_linear(x: torch.Tensor, sm: torch.Tensor, offs: torch.Tensor, esc_pos: torch.Tensor,
+                    esc_bits: torch.Tensor, base: int, rows: int, cols: int, bias: torch.Tensor | None) -> torch.Tensor:
+    w = resident.decode(resident.ResidentWeight((rows, cols), sm, offs, base, esc_pos, esc_bits))
+    return dense_gemm(x, w, bias)
+
+
+@resident_linear.register_fake
+def _(x: torch.Tensor, sm: torch.Tensor, offs: torch.Tensor, esc_pos: torch.Tensor, esc_bits: torch.Tensor,
+      base: int, rows: int, cols: int, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], rows))
+
+
+# -- loading -------------------------------------------------------------------------------------------
+@dataclass
+class _Pending:
+    """A layer's packed parts as they arrive, by shard (a tuple of output-partition indices)."""
+
+    prefix: str
+    partitions: list[int]  # rows of each output partition
+    cols: int
+    pieces: dict[tuple[int, ...], dict[str, torch.Tensor]] = field(default_factory=dict)
+
+    def span(self, shard_id: Any) -> tuple[int, ...]:
+        if shard_id is None:
+            return tuple(range(len(self.partitions)))
+        if isinstance(shard_id, str):
+            if shard_id not in QKV_SHARDS:
+                raise UnsupportedModelError(f"{self.prefix}: unknown shard {shard_id!r}")
+            return (QKV_SHARDS[shard_id],)
+        if isinstance(shard_id, tuple):
+            return tuple(int(i) for i in shard_id)
+        return (int(shard_id),)
+
+    def add(self, part: str, tensor: torch.Tensor, shard_id: Any) -> None:
+        # Keep a copy: the loader's tensors may be views of a file that is closed after loading.
+        self.pieces.setdefault(self.span(shard_id), {})[wcode.part_name("weight", part)] = tensor.detach().clone()
+
+    def shard_label(self, span: tuple[int, ...]) -> str:
+        if len(self.partitions) == 1:
+            return f"{self.prefix}.weight"
+        names = "qkv" if len(self.partitions) == 3 else None
+        return f"{self.prefix}.weight (shard {', '.join(names[i] if names else str(i) for i in span)})"
+
+    def build(self) -> resident.ResidentWeight:
+        """Check the arrived parts and re-code them into one resident weight (rows in partition order)."""
+        if not self.pieces:
+            raise CorruptFileError(f"the Glyd checkpoint has no packed weight for {self.prefix}.weight "
+                                   f"(expected {self.prefix}.weight_glyd_* or its unfused parts)")
+        seen = sorted(i for span in self.pieces for i in span)
+        expected = list(range(len(self.partitions)))
+        if seen != expected:
+            missing = [self.shard_label((i,)) for i in expected if i not in seen]
+            twice = sorted({i for i in seen if seen.count(i) > 1})
+            what = f"missing {', '.join(missing)}" if missing else f"shards {twice} loaded twice"
+            raise CorruptFileError(f"the Glyd checkpoint does not match the model: {what}")
+        exps, sms = [], []
+        for span in sorted(self.pieces):
+            label = self.shard_label(span)
+            packed = wcode.PackedTensor.from_parts("weight", self.pieces[span])
+            rows = sum(self.partitions[i] for i in span)
+            if tuple(packed.shape) != (rows, self.cols):
+                raise CorruptFileError(f"{label}: the checkpoint holds shape {tuple(packed.shape)}, the model "
+                                       f"expects {(rows, self.cols)}")
+            exp, sm = resident.planes_from_packed(packed, label)
+            exps.append(exp)
+            sms.append(sm)
+        self.pieces.clear()
+        return resident.from_planes(torch.cat(exps), torch.cat(sms), (sum(self.partitions), self.cols))
+
+
+def _add_part_params(layer: torch.nn.Module, pending: _Pending) -> None:
+    """One empty placeholder a part: vLLM's loader finds it by name and calls its weight_loader."""
+    for part, dtype in PART_DTYPES.items():
+        param = torch.nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+
+        def load(param: torch.nn.Parameter, loaded: torch.Tensor, shard_id: Any = None, _part: str = part) -> None:
+            pending.add(_part, loaded, shard_id if shard_id is not None else getattr(loaded, "shard_id", None))
+
+        param.weight_loader = load  # type: ignore[attr-defined]
+        layer.register_parameter(wcode.part_name("weight", part), param)
+    layer._glyd_pending = pending
+
+
+def _remove_part_params(layer: torch.nn.Module) -> None:
+    for part in PART_DTYPES:
+        layer._parameters.pop(wcode.part_name("weight", part), None)
+
+
+def _install(layer: torch.nn.Module, r: resident.ResidentWeight, device: torch.device) -> None:
+    r = r.to(device)
+    for name, t in zip(BUFFERS, (r.sm, r.offs, r.esc_pos, r.esc_bits), strict=True):
+        layer.register_buffer(name, t, persistent=False)
+    layer.glyd_shape, layer.glyd_base = r.shape, r.base
+    layer.glyd_bytes = r.nbytes
+
+
+def held(layer: torch.nn.Module) -> resident.ResidentWeight:
+    """The resident weight a layer holds (a view of its buffers)."""
+    return resident.ResidentWeight(layer.glyd_shape, layer.glyd_sm, layer.glyd_offs, layer.glyd_base,
+                                   layer.glyd_esc_pos, layer.glyd_esc_bits)
+
+
+def _refuse_partitioned(layer: torch.nn.Module, prefix: str) -> None:
+    if int(getattr(layer, "tp_size", 1) or 1) > 1:
+        raise UnsupportedModelError(f"Glyd weights do not support tensor parallelism yet ({prefix}: tp_size "
+                                    f"{layer.tp_size}); serve the Glyd checkpoint on one device")
+
+
+def _finish(layer: torch.nn.Module) -> None:
+    device = next((p.device for p in layer.parameters(recurse=False)), torch.device("cpu"))
+    r = layer._glyd_pending.build()
+    _remove_part_params(layer)
+    del layer._glyd_pending
+    _install(layer, r, device)
+
+
+class GlydLinearMethod(LinearMethodBase):
+    """Linear layers: resident weight, decoded for each matmul. Layers too small to pack stay plain."""
+
+    def __init__(self, config: GlydConfig, prefix: str) -> None:
+        self.config, self.prefix = config, prefix
+        self.plain: UnquantizedLinearMethod | None = None
+
+    def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int,
+                       output_partition_sizes: list[int], input_size: int, output_size: int,
+                       params_dtype: torch.dtype, **extra_weight_attrs: Any) -> None:
+        _refuse_partitioned(layer, self.prefix)
+        packed = [rows * input_size_per_partition >= self.config.min_packed_values for rows in output_partition_sizes]
+        if not any(packed):  # glyd pack left this weight plain
+            self.plain = UnquantizedLinearMethod()
+            self.plain.create_weights(layer, input_size_per_partition, output_partition_sizes, input_size,
+                                      output_size, params_dtype, **extra_weight_attrs)
+            return
+        if not all(packed):
+            raise UnsupportedModelError(f"{self.prefix}: some shards of this fused layer are below "
+                                        f"{self.config.min_packed_values} values and were stored plain; Glyd "
+                                        "serves fused layers whose shards are all packed")
+        _add_part_params(layer, _Pending(self.prefix, list(output_partition_sizes), input_size_per_partition))
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        if self.plain is not None:
+            self.plain.process_weights_after_loading(layer)
+            return
+        _finish(layer)
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.plain is not None:
+            return self.plain.apply(layer, x, bias)
+        rows, cols = layer.glyd_shape
+        return resident_linear(x, layer.glyd_sm, layer.glyd_offs, layer.glyd_esc_pos, layer.glyd_esc_bits,
+                               layer.glyd_base, rows, cols, bias)
+
+
+class GlydEmbeddingMethod(QuantizeMethodBase):
+    """Embeddings and the lm_head: lookups decode only their rows; the head decodes the whole weight."""
+
+    def __init__(self, config: GlydConfig, prefix: str) -> None:
+        self.config, self.prefix = config, prefix
+        self.plain: UnquantizedEmbeddingMethod | None = None
+        self.tied: list[torch.nn.Module] = []  # a list, so the tied module is not registered as a child
+
+    def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int,
+                       output_partition_sizes: list[int], input_size: int, output_size: int,
+                       params_dtype: torch.dtype, **extra_weight_attrs: Any) -> None:
+        _refuse_partitioned(layer, self.prefix)
+        rows = sum(output_partition_sizes)
+        if rows * input_size_per_partition < self.config.min_packed_values:
+            self.plain = UnquantizedEmbeddingMethod()
+            self.plain.create_weights(layer, input_size_per_partition, output_partition_sizes, input_size,
+                                      output_size, params_dtype, **extra_weight_attrs)
+            return
+        # The checkpoint holds the unpadded vocabulary; vLLM pads the partition to a multiple of 64 rows.
+        vocab = int(getattr(layer, "org_vocab_size", rows))
+        _add_part_params(layer, _Pending(self.prefix or "embedding", [vocab], input_size_per_partition))
+
+    def tie_weights(self, layer: torch.nn.Module, embed_tokens: torch.nn.Module) -> torch.nn.Module:
+        _remove_part_params(layer)
+        layer.__dict__.pop("_glyd_pending", None)
+        source = embed_tokens.quant_method
+        if isinstance(source, GlydEmbeddingMethod) and source.plain is None:
+            self.tied = [embed_tokens]
+        else:  # the embedding stayed plain: tie as vLLM does
+            self.plain = UnquantizedEmbeddingMethod()
+            layer.weight = embed_tokens.weight
+        return layer
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        if self.plain is not None:
+            self.plain.process_weights_after_loading(layer)
+        elif not self.tied:
+            _finish(layer)
+
+    def _source(self, layer: torch.nn.Module) -> torch.nn.Module:
+        return self.tied[0] if self.tied else layer
+
+    def embedding(self, layer: torch.nn.Module, input_: torch.Tensor) -> torch.Tensor:
+        if self.plain is not None:
+            return self.plain.embedding(layer, input_)
+        return resident.decode_rows(held(self._source(layer)), input_).reshape(*input_.shape, -1)
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.plain is not None:
+            return self.plain.apply(layer, x, bias)
+        src = self._source(layer)
+        rows, cols = src.glyd_shape
+        out = resident_linear(x, src.glyd_sm, src.glyd_offs, src.glyd_esc_pos, src.glyd_esc_bits, src.glyd_base,
+                              rows, cols, bias)
+        pad = int(layer.num_embeddings_per_partition) - rows
+        return torch.nn.functional.pad(out, (0, pad)) if pad > 0 else out  # vLLM's padded rows are zeros
+
+
+@register_quantization_config(QUANT_METHOD)
+class GlydConfig(QuantizationConfig):
+    """A Glyd checkpoint (`glyd pack`): config.json's quantization_config has quant_method "glyd"."""
+
+    def __init__(self, format_version: int = FORMAT_VERSION, min_packed_values: int = MIN_PACKED_VALUES) -> None:
+        super().__init__()
+        if format_version != FORMAT_VERSION:
+            raise CorruptFileError(f"this checkpoint is Glyd format version {format_version}; this Glyd serves "
+                                   f"version {FORMAT_VERSION}: re-pack it with `glyd pack` or install the "
+                                   "matching Glyd")
+        self.min_packed_values = int(min_packed_values)
+
+    def get_name(self) -> str:
+        return QUANT_METHOD
+
+    def get_supported_act_dtypes(self) -> list[torch.dtype]:
+        return [torch.bfloat16]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 0  # plain torch decode: any device vLLM runs on
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []  # the quantization config lives in config.json
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> GlydConfig:
+        return cls(int(config.get("format_version", -1)), int(config.get("min_packed_values", MIN_PACKED_VALUES)))
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        if isinstance(layer, LinearBase):
+            return GlydLinearMethod(self, prefix)
+        if isinstance(layer, VocabParallelEmbedding):
+            return GlydEmbeddingMethod(self, prefix)
+        return None
+
+
+def model_weight_bytes(model: torch.nn.Module) -> dict[str, int]:
+    """Bytes of the weights Glyd holds resident, and what they would take in bf16 (for reports)."""
+    held_bytes = values = 0
+    for m in model.modules():
+        if hasattr(m, "glyd_shape"):
+            held_bytes += int(m.glyd_bytes)
+            values += int(m.glyd_sm.numel())
+    return {"glyd_weight_bytes": held_bytes, "glyd_weight_values": values, "bf16_weight_bytes": 2 * values}
+
+
+def refusals(vllm_config: Any) -> list[str]:
+    """Why this engine cannot serve Glyd weights (empty: it can, or it does not ask for them)."""
+    model = getattr(vllm_config, "model_config", None)
+    if model is None or getattr(model, "quantization", None) != QUANT_METHOD:
+        return []
+    why = []
+    hf_quant = getattr(model.hf_config, "quantization_config", None) or {}
+    if not isinstance(hf_quant, dict) or hf_quant.get("quant_method") != QUANT_METHOD:
+        why.append(f"{model.model} is not a Glyd checkpoint (its config.json has no quantization_config with "
+                   f"quant_method \"glyd\"): pack it first with `glyd pack {model.model} DST` and serve DST")
+    par = getattr(vllm_config, "parallel_config", None)
+    for attr, name in (("tensor_parallel_size", "tensor"), ("pipeline_parallel_size", "pipeline")):
+        if par is not None and int(getattr(par, attr, 1) or 1) > 1:
+            why.append(f"{name} parallel size {getattr(par, attr)} > 1 (Glyd weights are served on one device "
+                       "in this version)")
+    if getattr(model, "dtype", torch.bfloat16) != torch.bfloat16:
+        why.append(f"the model would run in {model.dtype}; Glyd weights are bf16 (use --dtype bfloat16)")
+    return why
+
+
+def check(vllm_config: Any) -> None:
+    why = refusals(vllm_config)
+    if why:
+        raise ValueError("Glyd weights (--quantization glyd) cannot be served: " + "; ".join(why) + ".")
