@@ -24,3 +24,13 @@ def demo_model_dir() -> Path:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("GLYD_HOME", str(TEST_HOME))
         return ensure_demo_model()
+
+
+@pytest.fixture(scope="session")
+def packed_demo_dir(demo_model_dir: Path) -> Path:
+    """The demo model packed by `glyd pack` (once a session, ~30 s)."""
+    from glyd_engine.cli import main
+
+    dst = TEST_HOME / "cache" / "packed-demo"
+    assert main(["pack", str(demo_model_dir), str(dst), "--force"]) == 0
+    return dst

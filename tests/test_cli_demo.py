@@ -1,6 +1,7 @@
 """The issue's acceptance path on the real demo model, through the `glyd` command line."""
 
 import json
+import shutil
 
 import pytest
 
@@ -9,9 +10,9 @@ from glyd_engine.format.checkpoint import read_header
 
 
 @pytest.mark.slow
-def test_pack_verify_and_a_flipped_byte_on_the_demo_model(demo_model_dir, tmp_path, capsys):
+def test_pack_verify_and_a_flipped_byte_on_the_demo_model(demo_model_dir, packed_demo_dir, tmp_path, capsys):
     dst = tmp_path / "demo-glyd"
-    assert main(["pack", str(demo_model_dir), str(dst)]) == 0
+    shutil.copytree(packed_demo_dir, dst)  # packed by `glyd pack` (the fixture); damaged below
     capsys.readouterr()
     assert main(["verify", str(dst), "--against", str(demo_model_dir), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)

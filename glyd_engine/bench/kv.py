@@ -46,6 +46,8 @@ def _engine(spec: dict[str, Any]) -> Any:
     for k in ("max_num_batched_tokens", "max_num_seqs", "block_size"):
         if spec.get(k):
             kwargs[k] = int(spec[k])
+    if spec.get("quantization"):
+        kwargs["quantization"] = spec["quantization"]
     return LLM(**kwargs)
 
 
@@ -140,6 +142,10 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
         res["decode_tokens_per_s"] = round(sum(map(len, outs)) / dt, 2)
         res["speed_batch"] = int(s["batch"])
     res["metrics"] = _counters(llm)
+    if llm.llm_engine.vllm_config.model_config.quantization == "glyd":
+        from glyd_engine.vllm_plugin.weights import worker_weight_bytes
+
+        res["weights"] = llm.collective_rpc(worker_weight_bytes)[0]
     if spec["mode"] != "off":
         from glyd_engine.vllm_plugin.state import worker_stats
 

@@ -25,6 +25,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     from glyd_engine.commands.bench_rare import add_rare_parser
 
     add_rare_parser(which)
+    from glyd_engine.commands.bench_weights import add_weights_parser
+
+    add_weights_parser(which)
 
 
 def run_codec(args: argparse.Namespace) -> int:

@@ -49,32 +49,29 @@ def _safetensors_header(path: Path) -> dict[str, Any]:
         return json.loads(f.read(size))
 
 
-def weights_report(model_dir: Path) -> WeightsReport:
+def weights_report(model_dir: Path, resident_bytes: int | None = None) -> WeightsReport:
     """Sum tensor bytes from the safetensors headers (no tensor is read).
 
-    A Glyd-packed checkpoint records its bf16 size in config.json's `quantization_config.bf16_bytes`;
-    for plain checkpoints every float tensor counts at 2 bytes a value.
+    A Glyd checkpoint's packed tensors count, against bf16, at 2 bytes for each value of their
+    sign/mantissa part; what they hold is `resident_bytes` (the engine's resident code, measured in the
+    worker) when given, else their bytes on disk. Plain tensors count at their own size.
     """
-    stored = 0
-    bf16 = 0
+    plain = packed = bf16 = 0
     for file in sorted(Path(model_dir).glob("*.safetensors")):
         for name, info in _safetensors_header(file).items():
             if name == "__metadata__":
                 continue
             begin, end = info["data_offsets"]
-            stored += end - begin
             numel = 1
             for d in info["shape"]:
                 numel *= d
-            bf16 += numel * 2 if info["dtype"] in _FLOATS else end - begin
-    try:
-        config = json.loads((Path(model_dir) / "config.json").read_text())
-        packed = (config.get("quantization_config") or {}).get("bf16_bytes")
-        if packed:
-            bf16 = int(packed)
-    except (OSError, ValueError):
-        pass
-    return WeightsReport(stored, bf16)
+            if "_glyd_" in name:
+                packed += end - begin
+                bf16 += 2 * numel if name.endswith("_glyd_sm") else 0
+            else:
+                plain += end - begin
+                bf16 += numel * 2 if info["dtype"] in _FLOATS else end - begin
+    return WeightsReport(plain + (packed if resident_bytes is None else resident_bytes), bf16)
 
 
 @dataclass(frozen=True)

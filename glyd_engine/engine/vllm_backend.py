@@ -191,7 +191,15 @@ class VllmBackend:
         cc = vc.cache_config
         self.capacity = int((cc.num_gpu_blocks or 0) * cc.block_size)
         kv = kv_report(vc, s.kv)
-        weights = weights_report(self.model_dir)
+        resident = None
+        if vc.model_config.quantization == "glyd":  # packed weights: what the worker holds in memory
+            from glyd_engine.vllm_plugin.weights import worker_weight_bytes
+
+            try:
+                resident = int(self.engine.collective_rpc(worker_weight_bytes)[0]["glyd_weight_bytes"])
+            except Exception as exc:  # a report only: fall back to the bytes on disk
+                log.warning("resident weight bytes unavailable (%s); reporting the checkpoint's size", exc)
+        weights = weights_report(self.model_dir, resident)
         archs = getattr(vc.model_config.hf_config, "architectures", None) or [""]
         return Ready(
             model=self.model,

@@ -5,7 +5,7 @@ before every matmul. In memory a weight keeps its sign/mantissa byte and a 4-bit
 a per-tensor base exponent: offset = base - exponent for the 15 exponents base-14..base, 15 = escape.
 An escaped value (an exponent outside that window: zeros, tiny values, outliers) is kept whole in a
 sorted patch list. Decoding is a few byte operations a value and no table, the same arithmetic in torch
-(CPU) and inside a GPU kernel: 12 bits a weight plus ~48 bits an escape (docs/format.md section 4).
+(CPU) and inside a GPU kernel: 12 bits a weight plus 48 bits an escape (docs/format.md section 4).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ class ResidentWeight:
     sm: torch.Tensor  # uint8[n]: sign << 7 | mantissa
     offs: torch.Tensor  # uint8[ceil(n/2)]: value 2i in the low nibble, 2i+1 in the high one
     base: int  # the window's top exponent
-    esc_pos: torch.Tensor  # int64[e]: flat positions of escaped values, ascending
+    esc_pos: torch.Tensor  # int32[e] (int64 past 2**31 values): flat positions of escaped values, ascending
     esc_bits: torch.Tensor  # int16[e]: their bf16 bit patterns
 
     @property
@@ -36,8 +36,8 @@ class ResidentWeight:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held in memory for this weight (escape positions counted as stored, 8 bytes each)."""
-        return self.sm.numel() + self.offs.numel() + 10 * self.esc_pos.numel()
+        """Bytes held in memory for this weight."""
+        return self.sm.numel() + self.offs.numel() + (self.esc_pos.element_size() + 2) * self.esc_pos.numel()
 
     @property
     def bits_per_value(self) -> float:
@@ -68,6 +68,8 @@ def from_planes(exp: torch.Tensor, sm: torch.Tensor, shape: tuple[int, ...]) -> 
         off = torch.cat([off, off.new_zeros(1)])
     offs = off[0::2] | (off[1::2] << 4)
     esc_pos = escaped.nonzero().reshape(-1)
+    if exp.numel() < (1 << 31):
+        esc_pos = esc_pos.to(torch.int32)
     esc_bits = bf16.join(exp[esc_pos], sm[esc_pos]).view(torch.int16)
     return ResidentWeight(tuple(shape), sm, offs, base, esc_pos, esc_bits)
 

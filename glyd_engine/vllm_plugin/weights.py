@@ -114,8 +114,14 @@ class _Pending:
             raise CorruptFileError(f"the Glyd checkpoint does not match the model: {what}")
         exps, sms = [], []
         for span in sorted(self.pieces):
-            label = self.shard_label(span)
-            packed = wcode.PackedTensor.from_parts("weight", self.pieces[span])
+            label, parts = self.shard_label(span), self.pieces[span]
+            absent = [wcode.SUFFIX + p for p in wcode.PARTS if wcode.part_name("weight", p) not in parts]
+            if absent:
+                raise CorruptFileError(f"the Glyd checkpoint lacks part(s) {', '.join(absent)} of {label}")
+            try:
+                packed = wcode.PackedTensor.from_parts("weight", parts)
+            except CorruptFileError as exc:
+                raise CorruptFileError(f"{label}: {exc}") from exc
             rows = sum(self.partitions[i] for i in span)
             if tuple(packed.shape) != (rows, self.cols):
                 raise CorruptFileError(f"{label}: the checkpoint holds shape {tuple(packed.shape)}, the model "
@@ -304,6 +310,11 @@ class GlydConfig(QuantizationConfig):
         if isinstance(layer, VocabParallelEmbedding):
             return GlydEmbeddingMethod(self, prefix)
         return None
+
+
+def worker_weight_bytes(worker: Any) -> dict[str, int]:
+    """For `llm.collective_rpc(worker_weight_bytes)`: the resident weight bytes of a worker's model."""
+    return model_weight_bytes(worker.get_model())
 
 
 def model_weight_bytes(model: torch.nn.Module) -> dict[str, int]:

@@ -22,8 +22,8 @@ def main() -> int:
         print(f"GLYD_CASE {name}", flush=True)
         args = {"enforce_eager": True, "skip_tokenizer_init": True, **case}
         try:
-            EngineArgs(**args).create_engine_config()
-            out[name] = {"ok": True, "error": ""}
+            cfg = EngineArgs(**args).create_engine_config()
+            out[name] = {"ok": True, "error": "", "quantization": cfg.model_config.quantization}
         except Exception as exc:  # vLLM wraps config errors in pydantic's ValidationError
             out[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
     sys.stdout.flush()

@@ -19,6 +19,10 @@ pytest.importorskip("vllm")
 
 HERE = Path(__file__).resolve().parent
 KV_BYTES = 160 * 1024 * 1024  # fixed KV memory for off and Glyd alike: 56 blocks of 128 tokens off
+MAX_LEN = 7040  # what vLLM's own cache can serve in KV_BYTES (55 usable blocks of 128)
+LONG = 7000  # prompt logprobs near the model's window
+GREEDY = {"prompts": [40, 200], "max_tokens": 12}
+PREFIX = {"n": 14, "prefix": 200, "tail": 20, "max_tokens": 8}
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -53,3 +57,10 @@ def engine(spec: dict[str, Any]) -> dict[str, Any]:
     from glyd_engine.bench.kv import run_engine
 
     return run_engine({"kv_bytes": KV_BYTES, **spec}, timeout=900)
+
+
+@pytest.fixture(scope="session")
+def off(demo_model_dir: Path) -> dict[str, Any]:
+    """vLLM as it ships: the bf16 demo model with vLLM's own KV cache (the reference for every comparison)."""
+    return engine({"model": demo_model_dir, "mode": "off", "max_model_len": MAX_LEN,
+                   "work": {"logprobs": [LONG], "greedy": GREEDY, "prefix": PREFIX}})

@@ -15,23 +15,13 @@ from typing import Any
 import pytest
 
 from glyd_engine.bench.kv import bits_equal
-from tests.vllm.conftest import engine
+from tests.vllm.conftest import GREEDY, LONG, MAX_LEN, PREFIX, engine
 
 pytestmark = pytest.mark.slow
 
-MAX_LEN = 7040  # what vLLM's own cache can serve in KV_BYTES (55 usable blocks of 128)
-LONG = 7000  # prompt logprobs near the model's window
-GREEDY = {"prompts": [40, 200], "max_tokens": 12}
-PREFIX = {"n": 14, "prefix": 200, "tail": 20, "max_tokens": 8}
 # More than a 5-block cache holds at once: preemption, chunked prefill (64-token steps), prefix hits.
 STRESS = {"n": 10, "prefix": 150, "tail": 100, "extra": [560, 400], "max_tokens": 16}  # 250 + 16 crosses a block
 SMALL = {"kv_bytes": 12 * 1024 * 1024, "max_model_len": 640, "max_num_batched_tokens": 64}
-
-
-@pytest.fixture(scope="module")
-def off(demo_model_dir: Path) -> dict[str, Any]:
-    return engine({"model": demo_model_dir, "mode": "off", "max_model_len": MAX_LEN,
-                   "work": {"logprobs": [LONG], "greedy": GREEDY, "prefix": PREFIX}})
 
 
 @pytest.fixture(scope="module")
