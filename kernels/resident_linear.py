@@ -1,0 +1,151 @@
+"""The Glyd matmul on the GPU: y = x @ W.T with W in the resident code (docs/format.md section 4).
+
+W [N, K] is held as sign/mantissa bytes, 4-bit exponent offsets below a base (15 = escape) and a sorted
+list of escaped values. `resident_linear` decodes each weight tile in registers and feeds it to the
+tensor cores, never writing W out in bf16: a decode-sized matmul (1-64 rows of x) reads 1.5 bytes a
+weight instead of bf16's 2. Even and odd columns are separate dots, so the nibbles of a byte are never
+interleaved: y = x[:, 0::2] @ W[:, 0::2].T + x[:, 1::2] @ W[:, 1::2].T, with sign/mantissa bytes read as
+16-bit pairs and x as 32-bit pairs. Escaped weights decode as 0 in the tiles; each program adds its rows'
+escapes after the K loop, in list order, so the same inputs give the same bits on every run.
+
+`resident_decode` writes W out in bf16 (bit for bit): the path for prefill-sized matmuls, where the
+GEMM is compute-bound and one decode before cuBLAS costs little.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from glyd_engine.format.resident import ESCAPE, ResidentWeight
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+MAX_ROWS = 64  # larger batches take resident_decode + the bf16 GEMM
+
+
+@triton.jit
+def _weight_bits(sm, off, base):
+    """bf16 bit patterns (int32) of sign/mantissa bytes and exponent offsets; escapes come out as 0."""
+    e = (base - off) & 0xFF
+    bits = ((sm & 0x80) << 8) | (e << 7) | (sm & 0x7F)
+    return tl.where(off == 15, 0, bits)
+
+
+@triton.jit
+def _to_bf16(bits):
+    return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _resident_linear_kernel(x_pairs, x_ptr, sm_pairs, offs_ptr, rowptr_ptr, esc_pos_ptr, esc_bits_ptr, y_ptr,
+                            M, N, K, base, stride_xm, stride_ym,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KH: tl.constexpr,
+                            BLOCK_E: tl.constexpr, DOT_F32: tl.constexpr):
+    n0 = tl.program_id(0) * BLOCK_N
+    rn = n0 + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_KH)
+    KH = K // 2
+    n_ok = rn < N
+    m_ok = rm < M
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for kh0 in range(0, KH, BLOCK_KH):
+        kh = kh0 + rk
+        k_ok = kh < KH
+        w_ok = n_ok[:, None] & k_ok[None, :]
+        pair = tl.load(sm_pairs + rn[:, None] * KH + kh[None, :], mask=w_ok, other=0).to(tl.int32)
+        offs = tl.load(offs_ptr + rn[:, None] * KH + kh[None, :], mask=w_ok, other=0).to(tl.int32)
+        w_even = _to_bf16(_weight_bits(pair & 0xFF, offs & 0xF, base))
+        w_odd = _to_bf16(_weight_bits((pair >> 8) & 0xFF, (offs >> 4) & 0xF, base))
+        xp = tl.load(x_pairs + rm[:, None] * (stride_xm // 2) + kh[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                     other=0)
+        x_even = _to_bf16(xp & 0xFFFF)
+        x_odd = _to_bf16((xp >> 16) & 0xFFFF)
+        if DOT_F32:  # the CPU interpreter multiplies bf16 dot operands as raw bits: widen them there
+            acc += tl.dot(x_even.to(tl.float32), tl.trans(w_even.to(tl.float32)))
+            acc += tl.dot(x_odd.to(tl.float32), tl.trans(w_odd.to(tl.float32)))
+        else:
+            acc += tl.dot(x_even, tl.trans(w_even))
+            acc += tl.dot(x_odd, tl.trans(w_odd))
+    # The escapes of rows n0 .. n0+BLOCK_N-1, in list order (deterministic).
+    e_start = tl.load(rowptr_ptr + n0)
+    e_end = tl.load(rowptr_ptr + tl.minimum(n0 + BLOCK_N, N))
+    cols = tl.arange(0, BLOCK_N)
+    for e0 in range(e_start, e_end, BLOCK_E):
+        re = e0 + tl.arange(0, BLOCK_E)
+        e_ok = re < e_end
+        pos = tl.load(esc_pos_ptr + re, mask=e_ok, other=0).to(tl.int64)
+        val = tl.load(esc_bits_ptr + re, mask=e_ok, other=0).to(tl.bfloat16, bitcast=True).to(tl.float32)
+        row = (pos // K - n0).to(tl.int32)
+        col = pos % K
+        xv = tl.load(x_ptr + rm[:, None] * stride_xm + col[None, :], mask=m_ok[:, None] & e_ok[None, :],
+                     other=0.0).to(tl.float32)
+        contrib = xv * val[None, :]  # [BLOCK_M, BLOCK_E]
+        hit = (row[:, None] == cols[None, :]) & e_ok[:, None]  # [BLOCK_E, BLOCK_N]
+        # where, not a multiply by a one-hot: an inf or NaN weight must not leak into other columns
+        acc += tl.sum(tl.where(hit[None, :, :], contrib[:, :, None], 0.0), axis=1)
+    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(tl.bfloat16), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _resident_decode_kernel(sm_pairs, offs_ptr, out_pairs, n_pairs, base, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < n_pairs
+    pair = tl.load(sm_pairs + i, mask=ok, other=0).to(tl.int32)
+    offs = tl.load(offs_ptr + i, mask=ok, other=0).to(tl.int32)
+    lo = _weight_bits(pair & 0xFF, offs & 0xF, base)
+    hi = _weight_bits((pair >> 8) & 0xFF, (offs >> 4) & 0xF, base)
+    tl.store(out_pairs + i, lo | (hi << 16), mask=ok)
+
+
+def escape_rowptr(r: ResidentWeight) -> torch.Tensor:
+    """int32[N + 1]: escapes of row n are esc_pos[rowptr[n]:rowptr[n + 1]] (computed once a weight)."""
+    n_rows, cols = r.shape
+    bounds = torch.arange(n_rows + 1, device=r.esc_pos.device, dtype=torch.int64) * cols
+    return torch.searchsorted(r.esc_pos.to(torch.int64), bounds).to(torch.int32)
+
+
+def _check(r: ResidentWeight) -> tuple[int, int]:
+    if len(r.shape) != 2 or r.shape[1] % 2:
+        raise ValueError(f"the Glyd matmul needs a 2-D weight with an even width, not {r.shape}")
+    return r.shape
+
+
+def resident_decode(r: ResidentWeight) -> torch.Tensor:
+    """W in bf16, bit for bit (escapes patched after the kernel)."""
+    n_rows, cols = _check(r)
+    out = torch.empty(n_rows, cols, dtype=torch.bfloat16, device=r.sm.device)
+    n_pairs = n_rows * cols // 2
+    block = 1024
+    _resident_decode_kernel[(triton.cdiv(n_pairs, block),)](r.sm.view(torch.int16), r.offs, out.view(torch.int32),
+                                                            n_pairs, r.base, BLOCK=block)
+    if r.esc_pos.numel():
+        out.view(-1).view(torch.int16)[r.esc_pos.to(torch.int64)] = r.esc_bits
+    return out
+
+
+def resident_linear(x: torch.Tensor, r: ResidentWeight, rowptr: torch.Tensor, bias: torch.Tensor | None = None,
+                    block_n: int = 32, block_kh: int = 128, num_warps: int = 4, num_stages: int = 3,
+                    block_e: int = 16) -> torch.Tensor:
+    """y = x @ W.T (+ bias) for x [M, K] bf16, M <= MAX_ROWS; W decoded tile by tile on chip."""
+    n_rows, cols = _check(r)
+    if x.dim() != 2 or x.shape[1] != cols or x.dtype != torch.bfloat16:
+        raise ValueError(f"x must be bf16 [M, {cols}], not {x.dtype} {tuple(x.shape)}")
+    m = x.shape[0]
+    if m > MAX_ROWS:
+        raise ValueError(f"{m} rows: the fused kernel takes up to {MAX_ROWS}; decode once and use the bf16 GEMM")
+    x = x.contiguous()
+    y = torch.empty(m, n_rows, dtype=torch.bfloat16, device=x.device)
+    block_m = max(16, triton.next_power_of_2(m))
+    _resident_linear_kernel[(triton.cdiv(n_rows, block_n),)](
+        x.view(torch.int32), x, r.sm.view(torch.int16), r.offs, rowptr, r.esc_pos, r.esc_bits, y,
+        m, n_rows, cols, r.base, x.stride(0), y.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_KH=block_kh, BLOCK_E=block_e, DOT_F32=_INTERPRET,
+        num_warps=num_warps, num_stages=num_stages)
+    return y if bias is None else y + bias
+
+
+assert ESCAPE == 15  # the kernels test `off == 15`
