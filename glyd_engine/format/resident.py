@@ -50,7 +50,7 @@ class ResidentWeight:
 
 def choose_base(exp_hist: torch.Tensor) -> int:
     """The top exponent of the 15-wide window holding the most values (ties: the higher window)."""
-    h = exp_hist.to(torch.int64)
+    h = exp_hist.to(torch.int64).cpu()
     padded = torch.cat([torch.zeros(WINDOW - 1, dtype=torch.int64), h])
     window_sums = padded.unfold(0, WINDOW, 1).sum(1)  # [256]: sum of h[b-14..b]
     best = int(window_sums.max())
