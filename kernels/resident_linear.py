@@ -5,8 +5,10 @@ list of escaped values. `resident_linear` decodes each weight tile in registers 
 tensor cores, never writing W out in bf16: a decode-sized matmul (1-64 rows of x) reads 1.5 bytes a
 weight instead of bf16's 2. Even and odd columns are separate dots, so the nibbles of a byte are never
 interleaved: y = x[:, 0::2] @ W[:, 0::2].T + x[:, 1::2] @ W[:, 1::2].T, with sign/mantissa bytes read as
-16-bit pairs and x as 32-bit pairs. Escaped weights decode as 0 in the tiles; each program adds its rows'
-escapes after the K loop, in list order, so the same inputs give the same bits on every run.
+16-bit pairs, decoded two at a time in one 32-bit word, and x read as 32-bit pairs. Escaped weights decode
+with offset 15 like the others; the program of the first K split adds (value - that) * x for its rows'
+escapes after its K loop, in list order. K is split so the grid fills the GPU; the splits are summed in a
+fixed order, so the same inputs give the same bits on every run.
 
 `resident_decode` writes W out in bf16 (bit for bit): the path for prefill-sized matmuls, where the
 GEMM is compute-bound and one decode before cuBLAS costs little.
@@ -27,24 +29,30 @@ MAX_ROWS = 64  # larger batches take resident_decode + the bf16 GEMM
 
 
 @triton.jit
-def _weight_bits(sm, off, base):
-    """bf16 bit patterns (int32) of sign/mantissa bytes and exponent offsets; escapes come out as 0."""
-    e = (base - off) & 0xFF
-    bits = ((sm & 0x80) << 8) | (e << 7) | (sm & 0x7F)
-    return tl.where(off == 15, 0, bits)
-
-
-@triton.jit
 def _to_bf16(bits):
     return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 
+_SIGNS: tl.constexpr = tl.constexpr(-0x7FFF8000)  # 0x80008000 as an int32: both sign bits
+
+
 @triton.jit
-def _resident_linear_kernel(x_pairs, x_ptr, sm_pairs, offs_ptr, rowptr_ptr, esc_pos_ptr, esc_bits_ptr, y_ptr,
-                            M, N, K, base, stride_xm, stride_ym,
+def _pair_bits(pair, offs, base):
+    """Two weights at once (SWAR): 16-bit sign/mantissa pair + offset byte -> both bf16 patterns in one
+    int32 (even column low). Escapes come out as the pattern with exponent base-15 (corrected later)."""
+    x = (pair & 0xFF) | ((pair & 0xFF00) << 8)  # 0x00BB00AA
+    y = (offs & 0xF) | ((offs & 0xF0) << 12)  # 0x000H000L
+    e = ((base + 256) * 0x10001 - y) & 0x00FF00FF  # per-lane base - offset (the +256 stops a borrow)
+    return ((x << 8) & _SIGNS) | (x & 0x007F007F) | (e << 7)
+
+
+@triton.jit
+def _resident_linear_kernel(x_pairs, x_ptr, sm_pairs, sm_ptr, offs_ptr, rowptr_ptr, esc_pos_ptr, esc_bits_ptr,
+                            part_ptr, M, N, K, base, stride_xm, KH_SPLIT,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KH: tl.constexpr,
                             BLOCK_E: tl.constexpr, DOT_F32: tl.constexpr):
     n0 = tl.program_id(0) * BLOCK_N
+    split = tl.program_id(1)
     rn = n0 + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_KH)
@@ -52,14 +60,17 @@ def _resident_linear_kernel(x_pairs, x_ptr, sm_pairs, offs_ptr, rowptr_ptr, esc_
     n_ok = rn < N
     m_ok = rm < M
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for kh0 in range(0, KH, BLOCK_KH):
+    k_lo = split * KH_SPLIT
+    k_hi = tl.minimum(k_lo + KH_SPLIT, KH)
+    for kh0 in range(k_lo, k_hi, BLOCK_KH):
         kh = kh0 + rk
-        k_ok = kh < KH
+        k_ok = kh < k_hi
         w_ok = n_ok[:, None] & k_ok[None, :]
         pair = tl.load(sm_pairs + rn[:, None] * KH + kh[None, :], mask=w_ok, other=0).to(tl.int32)
         offs = tl.load(offs_ptr + rn[:, None] * KH + kh[None, :], mask=w_ok, other=0).to(tl.int32)
-        w_even = _to_bf16(_weight_bits(pair & 0xFF, offs & 0xF, base))
-        w_odd = _to_bf16(_weight_bits((pair >> 8) & 0xFF, (offs >> 4) & 0xF, base))
+        w = _pair_bits(pair, offs, base)
+        w_even = _to_bf16(w & 0xFFFF)
+        w_odd = _to_bf16((w >> 16) & 0xFFFF)
         xp = tl.load(x_pairs + rm[:, None] * (stride_xm // 2) + kh[None, :], mask=m_ok[:, None] & k_ok[None, :],
                      other=0)
         x_even = _to_bf16(xp & 0xFFFF)
@@ -70,24 +81,41 @@ def _resident_linear_kernel(x_pairs, x_ptr, sm_pairs, offs_ptr, rowptr_ptr, esc_
         else:
             acc += tl.dot(x_even, tl.trans(w_even))
             acc += tl.dot(x_odd, tl.trans(w_odd))
-    # The escapes of rows n0 .. n0+BLOCK_N-1, in list order (deterministic).
-    e_start = tl.load(rowptr_ptr + n0)
-    e_end = tl.load(rowptr_ptr + tl.minimum(n0 + BLOCK_N, N))
-    cols = tl.arange(0, BLOCK_N)
-    for e0 in range(e_start, e_end, BLOCK_E):
-        re = e0 + tl.arange(0, BLOCK_E)
-        e_ok = re < e_end
-        pos = tl.load(esc_pos_ptr + re, mask=e_ok, other=0).to(tl.int64)
-        val = tl.load(esc_bits_ptr + re, mask=e_ok, other=0).to(tl.bfloat16, bitcast=True).to(tl.float32)
-        row = (pos // K - n0).to(tl.int32)
-        col = pos % K
-        xv = tl.load(x_ptr + rm[:, None] * stride_xm + col[None, :], mask=m_ok[:, None] & e_ok[None, :],
-                     other=0.0).to(tl.float32)
-        contrib = xv * val[None, :]  # [BLOCK_M, BLOCK_E]
-        hit = (row[:, None] == cols[None, :]) & e_ok[:, None]  # [BLOCK_E, BLOCK_N]
-        # where, not a multiply by a one-hot: an inf or NaN weight must not leak into other columns
-        acc += tl.sum(tl.where(hit[None, :, :], contrib[:, :, None], 0.0), axis=1)
-    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(tl.bfloat16), mask=m_ok[:, None] & n_ok[None, :])
+    if split == 0:
+        # The escapes of rows n0 .. n0+BLOCK_N-1, in list order (deterministic): the tiles used the pattern
+        # with exponent base-15 there; add (value - that pattern) * x.
+        e_start = tl.load(rowptr_ptr + n0)
+        e_end = tl.load(rowptr_ptr + tl.minimum(n0 + BLOCK_N, N))
+        cols = tl.arange(0, BLOCK_N)
+        e_g = (base - 15) & 0xFF
+        for e0 in range(e_start, e_end, BLOCK_E):
+            re = e0 + tl.arange(0, BLOCK_E)
+            e_ok = re < e_end
+            pos = tl.load(esc_pos_ptr + re, mask=e_ok, other=0).to(tl.int64)
+            val = tl.load(esc_bits_ptr + re, mask=e_ok, other=0).to(tl.bfloat16, bitcast=True).to(tl.float32)
+            sm = tl.load(sm_ptr + pos, mask=e_ok, other=0).to(tl.int32)
+            used = _to_bf16(((sm & 0x80) << 8) | (e_g << 7) | (sm & 0x7F)).to(tl.float32)
+            corr = tl.where(e_ok, val - used, 0.0)
+            row = (pos // K - n0).to(tl.int32)
+            col = pos % K
+            xv = tl.load(x_ptr + rm[:, None] * stride_xm + col[None, :], mask=m_ok[:, None] & e_ok[None, :],
+                         other=0.0).to(tl.float32)
+            contrib = xv * corr[None, :]  # [BLOCK_M, BLOCK_E]
+            hit = (row[:, None] == cols[None, :]) & e_ok[:, None]  # [BLOCK_E, BLOCK_N]
+            # where, not a multiply by a one-hot: an inf or NaN weight must not leak into other columns
+            acc += tl.sum(tl.where(hit[None, :, :], contrib[:, :, None], 0.0), axis=1)
+    out = part_ptr + split * M * N + rm[:, None] * N + rn[None, :]
+    tl.store(out, acc, mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _sum_splits_kernel(part_ptr, y_ptr, MN, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < MN
+    acc = tl.load(part_ptr + i, mask=ok, other=0.0)
+    for s in range(1, SPLITS):  # a fixed order: the same bits on every run
+        acc += tl.load(part_ptr + s * MN + i, mask=ok, other=0.0)
+    tl.store(y_ptr + i, acc.to(tl.bfloat16), mask=ok)
 
 
 @triton.jit
@@ -96,9 +124,7 @@ def _resident_decode_kernel(sm_pairs, offs_ptr, out_pairs, n_pairs, base, BLOCK:
     ok = i < n_pairs
     pair = tl.load(sm_pairs + i, mask=ok, other=0).to(tl.int32)
     offs = tl.load(offs_ptr + i, mask=ok, other=0).to(tl.int32)
-    lo = _weight_bits(pair & 0xFF, offs & 0xF, base)
-    hi = _weight_bits((pair >> 8) & 0xFF, (offs >> 4) & 0xF, base)
-    tl.store(out_pairs + i, lo | (hi << 16), mask=ok)
+    tl.store(out_pairs + i, _pair_bits(pair, offs, base), mask=ok)  # escapes are patched after
 
 
 def escape_rowptr(r: ResidentWeight) -> torch.Tensor:
@@ -129,7 +155,7 @@ def resident_decode(r: ResidentWeight) -> torch.Tensor:
 
 def resident_linear(x: torch.Tensor, r: ResidentWeight, rowptr: torch.Tensor, bias: torch.Tensor | None = None,
                     block_n: int = 32, block_kh: int = 128, num_warps: int = 4, num_stages: int = 3,
-                    block_e: int = 16) -> torch.Tensor:
+                    block_e: int = 16, splits: int | None = None) -> torch.Tensor:
     """y = x @ W.T (+ bias) for x [M, K] bf16, M <= MAX_ROWS; W decoded tile by tile on chip."""
     n_rows, cols = _check(r)
     if x.dim() != 2 or x.shape[1] != cols or x.dtype != torch.bfloat16:
@@ -138,14 +164,23 @@ def resident_linear(x: torch.Tensor, r: ResidentWeight, rowptr: torch.Tensor, bi
     if m > MAX_ROWS:
         raise ValueError(f"{m} rows: the fused kernel takes up to {MAX_ROWS}; decode once and use the bf16 GEMM")
     x = x.contiguous()
+    n_blocks = triton.cdiv(n_rows, block_n)
+    kh = cols // 2
+    if splits is None:  # enough programs to fill the GPU: about 4 per SM (132 SMs on an H200)
+        splits = max(1, min(triton.cdiv(kh, block_kh), triton.cdiv(528, n_blocks)))
+    kh_split = triton.cdiv(triton.cdiv(kh, splits), block_kh) * block_kh
+    splits = triton.cdiv(kh, kh_split)
+    part = torch.empty(splits, m, n_rows, dtype=torch.float32, device=x.device)
     y = torch.empty(m, n_rows, dtype=torch.bfloat16, device=x.device)
     block_m = max(16, triton.next_power_of_2(m))
-    _resident_linear_kernel[(triton.cdiv(n_rows, block_n),)](
-        x.view(torch.int32), x, r.sm.view(torch.int16), r.offs, rowptr, r.esc_pos, r.esc_bits, y,
-        m, n_rows, cols, r.base, x.stride(0), y.stride(0),
+    _resident_linear_kernel[(n_blocks, splits)](
+        x.view(torch.int32), x, r.sm.view(torch.int16), r.sm, r.offs, rowptr, r.esc_pos, r.esc_bits, part,
+        m, n_rows, cols, r.base, x.stride(0), kh_split,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_KH=block_kh, BLOCK_E=block_e, DOT_F32=_INTERPRET,
         num_warps=num_warps, num_stages=num_stages)
+    block = 1024
+    _sum_splits_kernel[(triton.cdiv(m * n_rows, block),)](part, y, m * n_rows, SPLITS=splits, BLOCK=block)
     return y if bias is None else y + bias
 
 
-assert ESCAPE == 15  # the kernels test `off == 15`
+assert ESCAPE == 15  # the kernels correct escapes as decoded with offset 15
