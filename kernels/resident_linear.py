@@ -6,9 +6,9 @@ tensor cores, never writing W out in bf16: a decode-sized matmul (1-64 rows of x
 weight instead of bf16's 2. Even and odd columns are separate dots, so the nibbles of a byte are never
 interleaved: y = x[:, 0::2] @ W[:, 0::2].T + x[:, 1::2] @ W[:, 1::2].T, with sign/mantissa bytes read as
 16-bit pairs, decoded two at a time in one 32-bit word, and x read as 32-bit pairs. Escaped weights decode
-with offset 15 like the others; the program of the first K split adds (value - that) * x for its rows'
-escapes after its K loop, in list order. K is split so the grid fills the GPU; the splits are summed in a
-fixed order, so the same inputs give the same bits on every run.
+with offset 15 like the others. K is split so the grid fills the GPU; a second small kernel sums the
+splits in a fixed order and adds (value - that) * x for each row's escapes in list order, so the same
+inputs give the same bits on every run.
 
 `resident_decode` writes W out in bf16 (bit for bit): the path for prefill-sized matmuls, where the
 GEMM is compute-bound and one decode before cuBLAS costs little.
@@ -47,10 +47,9 @@ def _pair_bits(pair, offs, base):
 
 
 @triton.jit
-def _resident_linear_kernel(x_pairs, x_ptr, sm_pairs, sm_ptr, offs_ptr, rowptr_ptr, esc_pos_ptr, esc_bits_ptr,
-                            part_ptr, M, N, K, base, stride_xm, KH_SPLIT,
+def _resident_linear_kernel(x_pairs, sm_pairs, offs_ptr, part_ptr, M, N, K, base, stride_xm, KH_SPLIT,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KH: tl.constexpr,
-                            BLOCK_E: tl.constexpr, DOT_F32: tl.constexpr):
+                            DOT_F32: tl.constexpr):
     n0 = tl.program_id(0) * BLOCK_N
     split = tl.program_id(1)
     rn = n0 + tl.arange(0, BLOCK_N)
@@ -81,41 +80,38 @@ def _resident_linear_kernel(x_pairs, x_ptr, sm_pairs, sm_ptr, offs_ptr, rowptr_p
         else:
             acc += tl.dot(x_even, tl.trans(w_even))
             acc += tl.dot(x_odd, tl.trans(w_odd))
-    if split == 0:
-        # The escapes of rows n0 .. n0+BLOCK_N-1, in list order (deterministic): the tiles used the pattern
-        # with exponent base-15 there; add (value - that pattern) * x.
-        e_start = tl.load(rowptr_ptr + n0)
-        e_end = tl.load(rowptr_ptr + tl.minimum(n0 + BLOCK_N, N))
-        cols = tl.arange(0, BLOCK_N)
-        e_g = (base - 15) & 0xFF
-        for e0 in range(e_start, e_end, BLOCK_E):
-            re = e0 + tl.arange(0, BLOCK_E)
-            e_ok = re < e_end
-            pos = tl.load(esc_pos_ptr + re, mask=e_ok, other=0).to(tl.int64)
-            val = tl.load(esc_bits_ptr + re, mask=e_ok, other=0).to(tl.bfloat16, bitcast=True).to(tl.float32)
-            sm = tl.load(sm_ptr + pos, mask=e_ok, other=0).to(tl.int32)
-            used = _to_bf16(((sm & 0x80) << 8) | (e_g << 7) | (sm & 0x7F)).to(tl.float32)
-            corr = tl.where(e_ok, val - used, 0.0)
-            row = (pos // K - n0).to(tl.int32)
-            col = pos % K
-            xv = tl.load(x_ptr + rm[:, None] * stride_xm + col[None, :], mask=m_ok[:, None] & e_ok[None, :],
-                         other=0.0).to(tl.float32)
-            contrib = xv * corr[None, :]  # [BLOCK_M, BLOCK_E]
-            hit = (row[:, None] == cols[None, :]) & e_ok[:, None]  # [BLOCK_E, BLOCK_N]
-            # where, not a multiply by a one-hot: an inf or NaN weight must not leak into other columns
-            acc += tl.sum(tl.where(hit[None, :, :], contrib[:, :, None], 0.0), axis=1)
     out = part_ptr + split * M * N + rm[:, None] * N + rn[None, :]
     tl.store(out, acc, mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
-def _sum_splits_kernel(part_ptr, y_ptr, MN, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = i < MN
-    acc = tl.load(part_ptr + i, mask=ok, other=0.0)
-    for s in range(1, SPLITS):  # a fixed order: the same bits on every run
-        acc += tl.load(part_ptr + s * MN + i, mask=ok, other=0.0)
-    tl.store(y_ptr + i, acc.to(tl.bfloat16), mask=ok)
+def _finish_kernel(part_ptr, y_ptr, x_ptr, sm_ptr, rowptr_ptr, esc_pos_ptr, esc_bits_ptr, M, N, K, base, stride_xm,
+                   SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
+    """y[:, rows] = the K splits summed in order, plus each row's escape corrections in list order: the tiles
+    decoded an escape with offset 15; add (value - that pattern) * x."""
+    rn = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rm = tl.arange(0, BLOCK_M)
+    n_ok = rn < N
+    m_ok = rm < M
+    ok = m_ok[:, None] & n_ok[None, :]
+    acc = tl.load(part_ptr + rm[:, None] * N + rn[None, :], mask=ok, other=0.0)
+    for s in range(1, SPLITS):
+        acc += tl.load(part_ptr + s * M * N + rm[:, None] * N + rn[None, :], mask=ok, other=0.0)
+    first = tl.load(rowptr_ptr + rn, mask=n_ok, other=0)
+    count = tl.load(rowptr_ptr + rn + 1, mask=n_ok, other=0) - first
+    e_g = (base - 15) & 0xFF
+    for j in range(0, tl.max(count, axis=0)):
+        e_ok = n_ok & (j < count)
+        e = first + j
+        pos = tl.load(esc_pos_ptr + e, mask=e_ok, other=0).to(tl.int64)
+        val = tl.load(esc_bits_ptr + e, mask=e_ok, other=0).to(tl.bfloat16, bitcast=True).to(tl.float32)
+        sm = tl.load(sm_ptr + pos, mask=e_ok, other=0).to(tl.int32)
+        used = _to_bf16(((sm & 0x80) << 8) | (e_g << 7) | (sm & 0x7F)).to(tl.float32)
+        corr = val - used
+        xv = tl.load(x_ptr + rm[:, None] * stride_xm + (pos % K)[None, :], mask=m_ok[:, None] & e_ok[None, :],
+                     other=0.0).to(tl.float32)
+        acc += tl.where(e_ok[None, :], xv * corr[None, :], 0.0)
+    tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(tl.bfloat16), mask=ok)
 
 
 @triton.jit
@@ -155,7 +151,7 @@ def resident_decode(r: ResidentWeight) -> torch.Tensor:
 
 def resident_linear(x: torch.Tensor, r: ResidentWeight, rowptr: torch.Tensor, bias: torch.Tensor | None = None,
                     block_n: int = 32, block_kh: int = 128, num_warps: int = 4, num_stages: int = 3,
-                    block_e: int = 16, splits: int | None = None) -> torch.Tensor:
+                    splits: int | None = None) -> torch.Tensor:
     """y = x @ W.T (+ bias) for x [M, K] bf16, M <= MAX_ROWS; W decoded tile by tile on chip."""
     n_rows, cols = _check(r)
     if x.dim() != 2 or x.shape[1] != cols or x.dtype != torch.bfloat16:
@@ -174,12 +170,13 @@ def resident_linear(x: torch.Tensor, r: ResidentWeight, rowptr: torch.Tensor, bi
     y = torch.empty(m, n_rows, dtype=torch.bfloat16, device=x.device)
     block_m = max(16, triton.next_power_of_2(m))
     _resident_linear_kernel[(n_blocks, splits)](
-        x.view(torch.int32), x, r.sm.view(torch.int16), r.sm, r.offs, rowptr, r.esc_pos, r.esc_bits, part,
-        m, n_rows, cols, r.base, x.stride(0), kh_split,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_KH=block_kh, BLOCK_E=block_e, DOT_F32=_INTERPRET,
+        x.view(torch.int32), r.sm.view(torch.int16), r.offs, part, m, n_rows, cols, r.base, x.stride(0), kh_split,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_KH=block_kh, DOT_F32=_INTERPRET,
         num_warps=num_warps, num_stages=num_stages)
-    block = 1024
-    _sum_splits_kernel[(triton.cdiv(m * n_rows, block),)](part, y, m * n_rows, SPLITS=splits, BLOCK=block)
+    block_r = 64
+    _finish_kernel[(triton.cdiv(n_rows, block_r),)](part, y, x, r.sm, rowptr, r.esc_pos, r.esc_bits, m, n_rows, cols,
+                                                     r.base, x.stride(0), SPLITS=splits, BLOCK_M=block_m,
+                                                     BLOCK_R=block_r)
     return y if bias is None else y + bias
 
 

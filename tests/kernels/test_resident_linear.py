@@ -43,10 +43,10 @@ def test_fused_matmul_matches_fp32_reference(m, n, k, block_n, block_kh):
     x = (torch.randn(m, k, generator=torch.Generator().manual_seed(k)) * 0.5).to(torch.bfloat16)
     bias = torch.randn(n).to(torch.bfloat16)
     ref = x.float() @ w.float().T + bias.float()
-    got = rl.resident_linear(x, r, rl.escape_rowptr(r), bias, block_n=block_n, block_kh=block_kh, block_e=8)
+    got = rl.resident_linear(x, r, rl.escape_rowptr(r), bias, block_n=block_n, block_kh=block_kh)
     assert got.dtype == torch.bfloat16 and got.shape == (m, n)
     torch.testing.assert_close(got.float(), ref, rtol=2e-2, atol=2e-2)
-    again = rl.resident_linear(x, r, rl.escape_rowptr(r), bias, block_n=block_n, block_kh=block_kh, block_e=8)
+    again = rl.resident_linear(x, r, rl.escape_rowptr(r), bias, block_n=block_n, block_kh=block_kh)
     assert torch.equal(got.view(torch.int16), again.view(torch.int16))  # same inputs, same bits
 
 
