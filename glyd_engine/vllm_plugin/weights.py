@@ -59,8 +59,12 @@ def dense_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 @torch.library.custom_op("glyd::resident_linear", mutates_args=())
 def resident_linear(x: torch.Tensor, sm: torch.Tensor, offs: torch.Tensor, esc_pos: torch.Tensor,
                     esc_bits: torch.Tensor, base: int, rows: int, cols: int, bias: torch.Tensor | None) -> torch.Tensor:
-    w = resident.decode(resident.ResidentWeight((rows, cols), sm, offs, base, esc_pos, esc_bits))
-    return dense_gemm(x, w, bias)
+    r = resident.ResidentWeight((rows, cols), sm, offs, base, esc_pos, esc_bits)
+    if x.is_cuda and cols % 2 == 0:  # the Triton decode (bit for bit, docs/gpu.md), then vLLM's GEMM
+        from kernels.resident_linear import resident_decode
+
+        return dense_gemm(x, resident_decode(r), bias)
+    return dense_gemm(x, resident.decode(r), bias)
 
 
 @resident_linear.register_fake
