@@ -32,7 +32,7 @@ from kernels import resident_linear as rl  # noqa: E402
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 24576), "down": (12288, 4096)}  # K -> N
 ROWS = (1, 8, 16, 64)
 PREFILL_ROWS = 512
-SWEEP = {"block_n": (16, 32, 64), "block_kh": (64, 128, 256), "num_warps": (4, 8), "num_stages": (3,)}
+SWEEP = {"block_n": (32, 64, 128), "block_kh": (64, 128), "num_warps": (4,), "splits": (1, 2, 4, 8)}
 ROTATE_BYTES = 320 << 20  # more than twice the H200's L2
 LOG: dict[str, object] = {}
 
@@ -84,7 +84,7 @@ def main() -> int:
     gen = torch.Generator(device=dev).manual_seed(0)
     shapes = {"tiny": (64, 48)} if args.smoke else SHAPES
     rows = (1, 5) if args.smoke else ROWS
-    sweep = {"block_n": (16,), "block_kh": (16,), "num_warps": (4,), "num_stages": (3,)} if args.smoke else SWEEP
+    sweep = {"block_n": (16,), "block_kh": (16,), "num_warps": (4,), "splits": (1, 2)} if args.smoke else SWEEP
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
     log(args.out, "date", datetime.date.today().isoformat())
@@ -99,7 +99,7 @@ def main() -> int:
         t0 = time.monotonic()
         w = weight(n, k, dev, gen)
         r = resident.from_bf16(w)
-        rowptr = rl.escape_rowptr(r)
+        plan = rl.escape_plan(r)
         checks = {"escapes": int(r.esc_pos.numel()), "bits_per_weight": round(r.bits_per_value, 4)}
         checks["decode_bit_exact"] = bool(torch.equal(rl.resident_decode(r).view(torch.int16), w.view(torch.int16)))
         copies = 1 if args.smoke else max(2, -(-ROTATE_BYTES // (2 * n * k)))
@@ -112,12 +112,12 @@ def main() -> int:
             best = None
             for cfg in (dict(zip(sweep, v, strict=True)) for v in itertools.product(*sweep.values())):
                 try:
-                    y = rl.resident_linear(x, r, rowptr, **cfg)
+                    y = rl.resident_linear(x, r, plan, **cfg)
                 except Exception as exc:  # a tile shape the compiler refuses (shared memory): skip it
                     log(args.out, f"skip_{name}_{m}_{cfg}", str(exc)[:200])
                     continue
                 if graphs:
-                    fns = [lambda rr=rr, cfg=cfg, x=x, rp=rowptr: rl.resident_linear(x, rr, rp, **cfg) for rr in rs]
+                    fns = [lambda rr=rr, cfg=cfg, x=x, rp=plan: rl.resident_linear(x, rr, rp, **cfg) for rr in rs]
                     ms = timed(fns, True)
                 else:
                     ms = 0.0
@@ -125,21 +125,27 @@ def main() -> int:
                     best = (ms, cfg)
             cfg = best[1]
             y = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=dev)
-            y.copy_(rl.resident_linear(x, r, rowptr, **cfg))
+            y.copy_(rl.resident_linear(x, r, plan, **cfg))
             err = float(((y.float() - ref).abs() / (ref.abs() + 1.0)).max())
-            again = rl.resident_linear(x, r, rowptr, **cfg)
+            again = rl.resident_linear(x, r, plan, **cfg)
             checks[f"m{m}_max_rel_err"] = round(err, 5)
             checks[f"m{m}_ok"] = bool(torch.isfinite(y).all() and err < 0.02 and torch.equal(y.view(torch.int16),
                                                                                          again.view(torch.int16)))
             torch_ms = timed([lambda ww=ww, x=x: torch.matmul(x, ww.T) for ww in ws], graphs) if graphs else 0.0
             glyd_ms = best[0]
+            # The same kernel with no escapes to correct: what the escape pass costs (a timing, wrong values).
+            none = rl.EscapePlan(torch.zeros_like(plan.rowptr), plan.col[:0], plan.corr[:0])
+            bare_ms = timed([lambda rr=rr, cfg=cfg, x=x, p=none: rl.resident_linear(x, rr, p, **cfg) for rr in rs],
+                            True) if graphs else 0.0
             row = {"shape": name, "K": k, "N": n, "M": m, "torch_bf16_ms": round(torch_ms, 5),
                    "glyd_ms": round(glyd_ms, 5), "speedup": round(torch_ms / glyd_ms, 3) if glyd_ms else None,
+                   "glyd_no_escapes_ms": round(bare_ms, 5),
                    "glyd_tb_s": round(r.nbytes / glyd_ms / 1e9, 3) if glyd_ms else None,
                    "torch_tb_s": round(2 * n * k / torch_ms / 1e9, 3) if torch_ms else None, "cfg": cfg}
             table.append(row)
             print(f"{name:8s} M={m:3d}  torch {torch_ms * 1e3:8.1f} us  glyd {glyd_ms * 1e3:8.1f} us  "
-                  f"x{row['speedup']}  glyd {row['glyd_tb_s']} TB/s  torch {row['torch_tb_s']} TB/s  {cfg}", flush=True)
+                  f"x{row['speedup']}  (no escapes {bare_ms * 1e3:.1f} us)  glyd {row['glyd_tb_s']} TB/s  "
+                  f"torch {row['torch_tb_s']} TB/s  {cfg}", flush=True)
         if graphs:  # prefill: decode once, then cuBLAS
             x = (torch.randn(PREFILL_ROWS, k, device=dev, generator=gen) * 0.5).to(torch.bfloat16)
             torch_ms = timed([lambda ww=ww, x=x: torch.matmul(x, ww.T) for ww in ws], True)

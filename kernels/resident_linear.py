@@ -7,8 +7,8 @@ weight instead of bf16's 2. Even and odd columns are separate dots, so the nibbl
 interleaved: y = x[:, 0::2] @ W[:, 0::2].T + x[:, 1::2] @ W[:, 1::2].T, with sign/mantissa bytes read as
 16-bit pairs, decoded two at a time in one 32-bit word, and x read as 32-bit pairs. Escaped weights decode
 with offset 15 like the others. K is split so the grid fills the GPU; a second small kernel sums the
-splits in a fixed order and adds (value - that) * x for each row's escapes in list order, so the same
-inputs give the same bits on every run.
+splits in a fixed order and adds (value - that) * x for each row's escapes (an `EscapePlan`, made once a
+weight), so the same inputs give the same bits on every run.
 
 `resident_decode` writes W out in bf16 (bit for bit): the path for prefill-sized matmuls, where the
 GEMM is compute-bound and one decode before cuBLAS costs little.
@@ -17,6 +17,7 @@ GEMM is compute-bound and one decode before cuBLAS costs little.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -85,10 +86,10 @@ def _resident_linear_kernel(x_pairs, sm_pairs, offs_ptr, part_ptr, M, N, K, base
 
 
 @triton.jit
-def _finish_kernel(part_ptr, y_ptr, x_ptr, sm_ptr, rowptr_ptr, esc_pos_ptr, esc_bits_ptr, M, N, K, base, stride_xm,
-                   SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
-    """y[:, rows] = the K splits summed in order, plus each row's escape corrections in list order: the tiles
-    decoded an escape with offset 15; add (value - that pattern) * x."""
+def _finish_kernel(part_ptr, y_ptr, x_ptr, rowptr_ptr, esc_col_ptr, esc_corr_ptr, M, N, stride_xm,
+                   SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """y[:, rows] = the K splits summed in order, plus each row's escape corrections ((value - the pattern the
+    tiles used) * x), a [rows, BLOCK_C] tile of them at a time."""
     rn = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rm = tl.arange(0, BLOCK_M)
     n_ok = rn < N
@@ -99,18 +100,15 @@ def _finish_kernel(part_ptr, y_ptr, x_ptr, sm_ptr, rowptr_ptr, esc_pos_ptr, esc_
         acc += tl.load(part_ptr + s * M * N + rm[:, None] * N + rn[None, :], mask=ok, other=0.0)
     first = tl.load(rowptr_ptr + rn, mask=n_ok, other=0)
     count = tl.load(rowptr_ptr + rn + 1, mask=n_ok, other=0) - first
-    e_g = (base - 15) & 0xFF
-    for j in range(0, tl.max(count, axis=0)):
-        e_ok = n_ok & (j < count)
-        e = first + j
-        pos = tl.load(esc_pos_ptr + e, mask=e_ok, other=0).to(tl.int64)
-        val = tl.load(esc_bits_ptr + e, mask=e_ok, other=0).to(tl.bfloat16, bitcast=True).to(tl.float32)
-        sm = tl.load(sm_ptr + pos, mask=e_ok, other=0).to(tl.int32)
-        used = _to_bf16(((sm & 0x80) << 8) | (e_g << 7) | (sm & 0x7F)).to(tl.float32)
-        corr = val - used
-        xv = tl.load(x_ptr + rm[:, None] * stride_xm + (pos % K)[None, :], mask=m_ok[:, None] & e_ok[None, :],
-                     other=0.0).to(tl.float32)
-        acc += tl.where(e_ok[None, :], xv * corr[None, :], 0.0)
+    rc = tl.arange(0, BLOCK_C)
+    for c0 in range(0, tl.max(count, axis=0), BLOCK_C):
+        e_ok = n_ok[:, None] & ((c0 + rc)[None, :] < count[:, None])  # [BLOCK_R, BLOCK_C]
+        e = first[:, None] + c0 + rc[None, :]
+        col = tl.load(esc_col_ptr + e, mask=e_ok, other=0)
+        corr = tl.load(esc_corr_ptr + e, mask=e_ok, other=0.0)
+        xv = tl.load(x_ptr + rm[:, None, None] * stride_xm + col[None, :, :],
+                     mask=m_ok[:, None, None] & e_ok[None, :, :], other=0.0).to(tl.float32)
+        acc += tl.sum(tl.where(e_ok[None, :, :], xv * corr[None, :, :], 0.0), axis=2)
     tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(tl.bfloat16), mask=ok)
 
 
@@ -123,11 +121,29 @@ def _resident_decode_kernel(sm_pairs, offs_ptr, out_pairs, n_pairs, base, BLOCK:
     tl.store(out_pairs + i, _pair_bits(pair, offs, base), mask=ok)  # escapes are patched after
 
 
-def escape_rowptr(r: ResidentWeight) -> torch.Tensor:
-    """int32[N + 1]: escapes of row n are esc_pos[rowptr[n]:rowptr[n + 1]] (computed once a weight)."""
+@dataclass
+class EscapePlan:
+    """What the matmul needs of a weight's escapes, made once a weight: row index, column, correction."""
+
+    rowptr: torch.Tensor  # int32[N + 1]: row n's escapes are entries rowptr[n] .. rowptr[n + 1] - 1
+    col: torch.Tensor  # int32[e]
+    corr: torch.Tensor  # float32[e]: value - the pattern the tiles decode (exponent base - 15)
+
+    @property
+    def nbytes(self) -> int:
+        return 4 * (self.rowptr.numel() + self.col.numel() + self.corr.numel())
+
+
+def escape_plan(r: ResidentWeight) -> EscapePlan:
     n_rows, cols = r.shape
-    bounds = torch.arange(n_rows + 1, device=r.esc_pos.device, dtype=torch.int64) * cols
-    return torch.searchsorted(r.esc_pos.to(torch.int64), bounds).to(torch.int32)
+    pos = r.esc_pos.to(torch.int64)
+    bounds = torch.arange(n_rows + 1, device=pos.device, dtype=torch.int64) * cols
+    rowptr = torch.searchsorted(pos, bounds).to(torch.int32)
+    sm = r.sm[pos].to(torch.int32)
+    used = ((sm & 0x80) << 8) | (((r.base - ESCAPE) & 0xFF) << 7) | (sm & 0x7F)
+    used = torch.where(used >= 0x8000, used - 0x10000, used).to(torch.int16).view(torch.bfloat16)
+    corr = r.esc_bits.view(torch.bfloat16).float() - used.float()
+    return EscapePlan(rowptr, (pos % cols).to(torch.int32), corr)
 
 
 def _check(r: ResidentWeight) -> tuple[int, int]:
@@ -149,9 +165,9 @@ def resident_decode(r: ResidentWeight) -> torch.Tensor:
     return out
 
 
-def resident_linear(x: torch.Tensor, r: ResidentWeight, rowptr: torch.Tensor, bias: torch.Tensor | None = None,
-                    block_n: int = 32, block_kh: int = 128, num_warps: int = 4, num_stages: int = 3,
-                    splits: int | None = None) -> torch.Tensor:
+def resident_linear(x: torch.Tensor, r: ResidentWeight, plan: EscapePlan, bias: torch.Tensor | None = None,
+                    block_n: int = 64, block_kh: int = 64, num_warps: int = 4, num_stages: int = 3,
+                    splits: int | None = None, block_r: int = 16, block_c: int = 16) -> torch.Tensor:
     """y = x @ W.T (+ bias) for x [M, K] bf16, M <= MAX_ROWS; W decoded tile by tile on chip."""
     n_rows, cols = _check(r)
     if x.dim() != 2 or x.shape[1] != cols or x.dtype != torch.bfloat16:
@@ -173,10 +189,9 @@ def resident_linear(x: torch.Tensor, r: ResidentWeight, rowptr: torch.Tensor, bi
         x.view(torch.int32), r.sm.view(torch.int16), r.offs, part, m, n_rows, cols, r.base, x.stride(0), kh_split,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_KH=block_kh, DOT_F32=_INTERPRET,
         num_warps=num_warps, num_stages=num_stages)
-    block_r = 64
-    _finish_kernel[(triton.cdiv(n_rows, block_r),)](part, y, x, r.sm, rowptr, r.esc_pos, r.esc_bits, m, n_rows, cols,
-                                                     r.base, x.stride(0), SPLITS=splits, BLOCK_M=block_m,
-                                                     BLOCK_R=block_r)
+    _finish_kernel[(triton.cdiv(n_rows, block_r),)](part, y, x, plan.rowptr, plan.col, plan.corr, m, n_rows,
+                                                     x.stride(0), SPLITS=splits, BLOCK_M=block_m, BLOCK_R=block_r,
+                                                     BLOCK_C=block_c)
     return y if bias is None else y + bias
 
 

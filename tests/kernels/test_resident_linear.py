@@ -34,19 +34,20 @@ def test_decode_kernel_is_bit_exact_on_every_pattern():
     assert torch.equal(got.view(torch.int16), x.view(torch.int16))
 
 
-@pytest.mark.parametrize(("m", "n", "k", "block_n", "block_kh"), [
-    (1, 48, 96, 16, 32), (5, 70, 64, 32, 16), (17, 33, 130, 16, 64), (64, 16, 32, 16, 16)])
-def test_fused_matmul_matches_fp32_reference(m, n, k, block_n, block_kh):
-    w = _weight(n, k, seed=m * 1000 + n)
+@pytest.mark.parametrize(("m", "n", "k", "block_n", "block_kh", "p_outlier"), [
+    (1, 48, 96, 16, 32, 0.01), (5, 70, 64, 32, 16, 0.01), (17, 33, 130, 16, 64, 0.01), (64, 16, 32, 16, 16, 0.01),
+    (3, 20, 96, 16, 32, 0.2)])  # the last: ~40 escapes a row, several chunks of the correction pass
+def test_fused_matmul_matches_fp32_reference(m, n, k, block_n, block_kh, p_outlier):
+    w = _weight(n, k, seed=m * 1000 + n, p_outlier=p_outlier)
     r = resident.from_bf16(w)
     assert r.esc_pos.numel() > 0
     x = (torch.randn(m, k, generator=torch.Generator().manual_seed(k)) * 0.5).to(torch.bfloat16)
     bias = torch.randn(n).to(torch.bfloat16)
     ref = x.float() @ w.float().T + bias.float()
-    got = rl.resident_linear(x, r, rl.escape_rowptr(r), bias, block_n=block_n, block_kh=block_kh)
+    got = rl.resident_linear(x, r, rl.escape_plan(r), bias, block_n=block_n, block_kh=block_kh)
     assert got.dtype == torch.bfloat16 and got.shape == (m, n)
     torch.testing.assert_close(got.float(), ref, rtol=2e-2, atol=2e-2)
-    again = rl.resident_linear(x, r, rl.escape_rowptr(r), bias, block_n=block_n, block_kh=block_kh)
+    again = rl.resident_linear(x, r, rl.escape_plan(r), bias, block_n=block_n, block_kh=block_kh)
     assert torch.equal(got.view(torch.int16), again.view(torch.int16))  # same inputs, same bits
 
 
@@ -62,7 +63,7 @@ def test_output_is_written_everywhere_and_an_infinity_stays_in_its_column(monkey
         return real_empty(*args, **kwargs).fill_(float("nan"))
 
     monkeypatch.setattr(rl.torch, "empty", poisoned)
-    got = rl.resident_linear(x, r, rl.escape_rowptr(r), block_n=16, block_kh=16)
+    got = rl.resident_linear(x, r, rl.escape_plan(r), block_n=16, block_kh=16)
     assert torch.isinf(got[:, 5]).all()
     others = torch.cat([got[:, :5], got[:, 6:]], dim=1)
     assert torch.isfinite(others).all()
@@ -73,6 +74,6 @@ def test_output_is_written_everywhere_and_an_infinity_stays_in_its_column(monkey
 def test_refuses_what_it_cannot_do():
     r = resident.from_bf16(_weight(8, 16, seed=1))
     with pytest.raises(ValueError, match="rows"):
-        rl.resident_linear(torch.zeros(65, 16, dtype=torch.bfloat16), r, rl.escape_rowptr(r))
+        rl.resident_linear(torch.zeros(65, 16, dtype=torch.bfloat16), r, rl.escape_plan(r))
     with pytest.raises(ValueError, match="even width"):
         rl.resident_decode(resident.from_bf16(_weight(8, 15, seed=1)))
