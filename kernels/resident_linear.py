@@ -178,8 +178,9 @@ def resident_linear(x: torch.Tensor, r: ResidentWeight, plan: EscapePlan, bias: 
     x = x.contiguous()
     n_blocks = triton.cdiv(n_rows, block_n)
     kh = cols // 2
-    if splits is None:  # enough programs to fill the GPU: about 4 per SM (132 SMs on an H200)
-        splits = max(1, min(triton.cdiv(kh, block_kh), triton.cdiv(528, n_blocks)))
+    if splits is None:  # 8 was the best of 8/16/32 at every Qwen3-8B shape on the H200 (docs/gpu.md)
+        splits = 8
+    splits = max(1, min(splits, triton.cdiv(kh, block_kh)))
     kh_split = triton.cdiv(triton.cdiv(kh, splits), block_kh) * block_kh
     splits = triton.cdiv(kh, kh_split)
     part = torch.empty(splits, m, n_rows, dtype=torch.float32, device=x.device)

@@ -5,7 +5,7 @@ a placeholder parameter of the layer; its loader keeps the part, by shard, witho
 each layer's shards are checked (every part present, shapes as the layer expects), decoded once from the
 file's prefix code and re-coded into the resident form (format/resident.py, ~12 bits a weight), which stays
 in memory. Every matmul decodes its weight to bf16 and runs vLLM's own unquantized GEMM on it, so outputs
-equal the bf16 model's bit for bit; on CUDA the same op is where the fused Triton kernel goes (docs/gpu.md).
+equal the bf16 model's bit for bit; on CUDA the same op runs the Triton kernels (kernels/resident_linear.py).
 The embedding decodes only the rows a batch looks up; a tied lm_head reads the embedding's resident weight.
 """
 
@@ -31,6 +31,7 @@ from glyd_engine.format.checkpoint import MIN_PACKED_VALUES, QUANT_METHOD
 PART_DTYPES = {"sm": torch.uint8, "exp": torch.int32, "off": torch.int32, "len": torch.uint8, "meta": torch.int64}
 QKV_SHARDS = {"q": 0, "k": 1, "v": 2}
 BUFFERS = ("glyd_sm", "glyd_offs", "glyd_esc_pos", "glyd_esc_bits")
+FUSED_ROWS = 16  # up to this many rows the fused CUDA kernel beats decode + GEMM (docs/gpu.md)
 
 
 # -- the matmul: one op, plain torch decode + vLLM's GEMM here, the fused kernel on CUDA later ------------
@@ -58,19 +59,35 @@ def dense_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 
 @torch.library.custom_op("glyd::resident_linear", mutates_args=())
 def resident_linear(x: torch.Tensor, sm: torch.Tensor, offs: torch.Tensor, esc_pos: torch.Tensor,
-                    esc_bits: torch.Tensor, base: int, rows: int, cols: int, bias: torch.Tensor | None) -> torch.Tensor:
+                    esc_bits: torch.Tensor, plan_rowptr: torch.Tensor, plan_col: torch.Tensor,
+                    plan_corr: torch.Tensor, base: int, rows: int, cols: int,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W.T (+ bias). CPU: torch decode + vLLM's GEMM (the bf16 model's bits). CUDA: the fused Triton
+    kernel for up to FUSED_ROWS rows of x (faster than decode + GEMM there, docs/gpu.md), else the Triton
+    decode + vLLM's GEMM."""
     r = resident.ResidentWeight((rows, cols), sm, offs, base, esc_pos, esc_bits)
-    if x.is_cuda and cols % 2 == 0:  # the Triton decode (bit for bit, docs/gpu.md), then vLLM's GEMM
-        from kernels.resident_linear import resident_decode
+    if x.is_cuda and cols % 2 == 0:
+        from kernels import resident_linear as kernel
 
-        return dense_gemm(x, resident_decode(r), bias)
+        flat = x.reshape(-1, cols)
+        if flat.shape[0] <= FUSED_ROWS and plan_rowptr.numel() == rows + 1:
+            plan = kernel.EscapePlan(plan_rowptr, plan_col, plan_corr)
+            return kernel.resident_linear(flat, r, plan, bias).reshape(*x.shape[:-1], rows)
+        return dense_gemm(x, kernel.resident_decode(r), bias)
     return dense_gemm(x, resident.decode(r), bias)
 
 
 @resident_linear.register_fake
 def _(x: torch.Tensor, sm: torch.Tensor, offs: torch.Tensor, esc_pos: torch.Tensor, esc_bits: torch.Tensor,
-      base: int, rows: int, cols: int, bias: torch.Tensor | None) -> torch.Tensor:
+      plan_rowptr: torch.Tensor, plan_col: torch.Tensor, plan_corr: torch.Tensor, base: int, rows: int, cols: int,
+      bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], rows))
+
+
+def _apply(src: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    rows, cols = src.glyd_shape
+    return resident_linear(x, src.glyd_sm, src.glyd_offs, src.glyd_esc_pos, src.glyd_esc_bits, src.glyd_plan_rowptr,
+                           src.glyd_plan_col, src.glyd_plan_corr, src.glyd_base, rows, cols, bias)
 
 
 # -- loading -------------------------------------------------------------------------------------------
@@ -159,8 +176,16 @@ def _install(layer: torch.nn.Module, r: resident.ResidentWeight, device: torch.d
     r = r.to(device)
     for name, t in zip(BUFFERS, (r.sm, r.offs, r.esc_pos, r.esc_bits), strict=True):
         layer.register_buffer(name, t, persistent=False)
+    plan = (torch.empty(0, dtype=torch.int32, device=device),) * 2 + (torch.empty(0, device=device),)
+    if device.type == "cuda" and r.shape[1] % 2 == 0:  # the fused kernel's escape plan, made once
+        from kernels.resident_linear import escape_plan
+
+        p = escape_plan(r)
+        plan = (p.rowptr, p.col, p.corr)
+    for name, t in zip(("glyd_plan_rowptr", "glyd_plan_col", "glyd_plan_corr"), plan, strict=True):
+        layer.register_buffer(name, t, persistent=False)
     layer.glyd_shape, layer.glyd_base = r.shape, r.base
-    layer.glyd_bytes = r.nbytes
+    layer.glyd_bytes = r.nbytes + sum(t.numel() * t.element_size() for t in plan)
 
 
 def held(layer: torch.nn.Module) -> resident.ResidentWeight:
@@ -215,9 +240,7 @@ class GlydLinearMethod(LinearMethodBase):
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.plain is not None:
             return self.plain.apply(layer, x, bias)
-        rows, cols = layer.glyd_shape
-        return resident_linear(x, layer.glyd_sm, layer.glyd_offs, layer.glyd_esc_pos, layer.glyd_esc_bits,
-                               layer.glyd_base, rows, cols, bias)
+        return _apply(layer, x, bias)
 
 
 class GlydEmbeddingMethod(QuantizeMethodBase):
@@ -265,16 +288,19 @@ class GlydEmbeddingMethod(QuantizeMethodBase):
     def embedding(self, layer: torch.nn.Module, input_: torch.Tensor) -> torch.Tensor:
         if self.plain is not None:
             return self.plain.embedding(layer, input_)
-        return resident.decode_rows(held(self._source(layer)), input_).reshape(*input_.shape, -1)
+        r = held(self._source(layer))
+        if input_.is_cuda and r.shape[1] % 2 == 0:  # no host sync (CUDA graphs): decode all, then gather
+            from kernels.resident_linear import resident_decode
+
+            return torch.nn.functional.embedding(input_, resident_decode(r))
+        return resident.decode_rows(r, input_).reshape(*input_.shape, -1)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.plain is not None:
             return self.plain.apply(layer, x, bias)
         src = self._source(layer)
-        rows, cols = src.glyd_shape
-        out = resident_linear(x, src.glyd_sm, src.glyd_offs, src.glyd_esc_pos, src.glyd_esc_bits, src.glyd_base,
-                              rows, cols, bias)
-        pad = int(layer.num_embeddings_per_partition) - rows
+        out = _apply(src, x, bias)
+        pad = int(layer.num_embeddings_per_partition) - src.glyd_shape[0]
         return torch.nn.functional.pad(out, (0, pad)) if pad > 0 else out  # vLLM's padded rows are zeros
 
 
