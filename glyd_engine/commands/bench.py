@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 
@@ -49,9 +48,7 @@ def run_codec(args: argparse.Namespace) -> int:
         text, name = "\n\n".join(t.text for t in texts), "assets/text/heldout (all files)"
     result = run_codec_bench(model, text, name, args.tokens, args.block_size or [16, 128], args.window,
                              progress=print_progress)
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        for k, v in result.items():
-            print(f"{k}: {v}")
+    from glyd_engine.commands.printing import print_result
+
+    print_result(result, args.json)
     return 0 if result["exact"] else 1

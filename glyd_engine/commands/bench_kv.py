@@ -6,7 +6,6 @@ Hooked into `glyd bench` by `glyd_engine.commands.bench.add_parser` calling `add
 from __future__ import annotations
 
 import argparse
-import json
 
 
 def add_kv_parser(which: argparse._SubParsersAction) -> None:
@@ -28,10 +27,8 @@ def run_kv(args: argparse.Namespace) -> int:
 
     model = resolve_model(args.model, progress=print_progress)
     result = run_kv_bench(model, args.kv_bytes, args.logprob_tokens, args.batch, args.max_tokens)
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        for key, value in result.items():
-            print(f"{key}: {value}")
+    from glyd_engine.commands.printing import print_result
+
+    print_result(result, args.json)
     ok = result["prompt_logprobs_identical"] and result["values_differing"] == 0 and result["values_checked"] > 0
     return 0 if ok else 1

@@ -49,11 +49,9 @@ def run_rare(args: argparse.Namespace) -> int:
 
     result = run_rare_bench(model, args.kv_bytes, args.prompts, args.length, args.ordinary, args.ordinary_length,
                             args.max_tokens, check=not args.no_check)
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        for key, value in result.items():
-            print(f"{key}: {value}")
+    from glyd_engine.commands.printing import print_result
+
+    print_result(result, args.json)
     glyd, off = result["lossless"], result["off"]
     ok = glyd["completed"] == glyd["requests"] and off["completed"] == off["requests"]
     if not args.no_check:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 
 
 def add_weights_parser(which: argparse._SubParsersAction) -> None:
@@ -23,9 +22,7 @@ def run_weights(args: argparse.Namespace) -> int:
 
     model = resolve_model(args.model, progress=print_progress)
     result = run_weights_bench(model, args.logprob_tokens, args.batch, args.max_tokens)
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        for key, value in result.items():
-            print(f"{key}: {value}")
+    from glyd_engine.commands.printing import print_result
+
+    print_result(result, args.json)
     return 0 if result["prompt_logprobs_identical"] and result["greedy_tokens_identical"] else 1
