@@ -54,6 +54,15 @@ def _umask() -> int:
     return 0o022
 
 
+def normalize_permissions(root: Path) -> None:
+    """mkdtemp and some writers (safetensors) make owner-only files; a finished directory should read like
+    any other the user writes (the usual umask permissions)."""
+    umask = _umask()
+    root.chmod(0o777 & ~umask)
+    for item in root.rglob("*"):
+        item.chmod((0o777 if item.is_dir() else 0o666) & ~umask)
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
     """Yield a temporary path next to `path`; on success it is renamed over `path`."""
@@ -91,6 +100,7 @@ def atomic_dir(path: str | os.PathLike[str]) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
         yield tmp
+        normalize_permissions(tmp)
         if path.exists():
             old = path.with_name(f".{path.name}.old-{os.getpid()}")
             os.replace(path, old)

