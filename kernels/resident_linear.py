@@ -67,7 +67,8 @@ def _resident_linear_kernel(x_pairs, sm_pairs, offs_ptr, part_ptr, M, N, K, base
         k_ok = kh < k_hi
         w_ok = n_ok[:, None] & k_ok[None, :]
         pair = tl.load(sm_pairs + rn[:, None] * KH + kh[None, :], mask=w_ok, other=0).to(tl.int32)
-        offs = tl.load(offs_ptr + rn[:, None] * KH + kh[None, :], mask=w_ok, other=0).to(tl.int32)
+        # padding lanes decode as escapes: a finite pattern, so 0 * it is 0 even when base is inf's exponent
+        offs = tl.load(offs_ptr + rn[:, None] * KH + kh[None, :], mask=w_ok, other=0xFF).to(tl.int32)
         w = _pair_bits(pair, offs, base)
         w_even = _to_bf16(w & 0xFFFF)
         w_odd = _to_bf16((w >> 16) & 0xFFFF)
@@ -83,6 +84,35 @@ def _resident_linear_kernel(x_pairs, sm_pairs, offs_ptr, part_ptr, M, N, K, base
             acc += tl.dot(x_odd, tl.trans(w_odd))
     out = part_ptr + split * M * N + rm[:, None] * N + rn[None, :]
     tl.store(out, acc, mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _resident_gemv_kernel(x_pairs, sm_pairs, offs_ptr, part_ptr, N, K, base, KH_SPLIT,
+                          BLOCK_N: tl.constexpr, BLOCK_KH: tl.constexpr):
+    """One row of x on the CUDA cores: bf16 -> fp32 is a 16-bit shift, products are exact in fp32, no
+    padding of the row to a 16-row tensor-core tile."""
+    n0 = tl.program_id(0) * BLOCK_N
+    split = tl.program_id(1)
+    rn = n0 + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_KH)
+    KH = K // 2
+    n_ok = rn < N
+    acc = tl.zeros((BLOCK_N, BLOCK_KH), tl.float32)
+    k_lo = split * KH_SPLIT
+    k_hi = tl.minimum(k_lo + KH_SPLIT, KH)
+    for kh0 in range(k_lo, k_hi, BLOCK_KH):
+        kh = kh0 + rk
+        k_ok = kh < k_hi
+        w_ok = n_ok[:, None] & k_ok[None, :]
+        pair = tl.load(sm_pairs + rn[:, None] * KH + kh[None, :], mask=w_ok, other=0).to(tl.int32)
+        offs = tl.load(offs_ptr + rn[:, None] * KH + kh[None, :], mask=w_ok, other=0xFF).to(tl.int32)
+        w = _pair_bits(pair, offs, base)
+        xp = tl.load(x_pairs + kh, mask=k_ok, other=0)
+        x_even = (xp << 16).to(tl.float32, bitcast=True)
+        x_odd = (xp & -65536).to(tl.float32, bitcast=True)
+        acc += (w << 16).to(tl.float32, bitcast=True) * x_even[None, :]
+        acc += (w & -65536).to(tl.float32, bitcast=True) * x_odd[None, :]
+    tl.store(part_ptr + split * N + rn, tl.sum(acc, axis=1), mask=n_ok)
 
 
 @triton.jit
@@ -167,8 +197,10 @@ def resident_decode(r: ResidentWeight) -> torch.Tensor:
 
 def resident_linear(x: torch.Tensor, r: ResidentWeight, plan: EscapePlan, bias: torch.Tensor | None = None,
                     block_n: int = 64, block_kh: int = 64, num_warps: int = 4, num_stages: int = 3,
-                    splits: int | None = None, block_r: int = 16, block_c: int = 16) -> torch.Tensor:
-    """y = x @ W.T (+ bias) for x [M, K] bf16, M <= MAX_ROWS; W decoded tile by tile on chip."""
+                    splits: int | None = None, block_r: int = 16, block_c: int = 16, gemv: bool = False
+                    ) -> torch.Tensor:
+    """y = x @ W.T (+ bias) for x [M, K] bf16, M <= MAX_ROWS; W decoded tile by tile on chip. `gemv`: one row
+    of x runs on the CUDA cores instead of a tensor-core tile padded to 16 rows."""
     n_rows, cols = _check(r)
     if x.dim() != 2 or x.shape[1] != cols or x.dtype != torch.bfloat16:
         raise ValueError(f"x must be bf16 [M, {cols}], not {x.dtype} {tuple(x.shape)}")
@@ -186,10 +218,15 @@ def resident_linear(x: torch.Tensor, r: ResidentWeight, plan: EscapePlan, bias: 
     part = torch.empty(splits, m, n_rows, dtype=torch.float32, device=x.device)
     y = torch.empty(m, n_rows, dtype=torch.bfloat16, device=x.device)
     block_m = max(16, triton.next_power_of_2(m))
-    _resident_linear_kernel[(n_blocks, splits)](
-        x.view(torch.int32), r.sm.view(torch.int16), r.offs, part, m, n_rows, cols, r.base, x.stride(0), kh_split,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_KH=block_kh, DOT_F32=_INTERPRET,
-        num_warps=num_warps, num_stages=num_stages)
+    if gemv and m == 1:
+        _resident_gemv_kernel[(n_blocks, splits)](
+            x.view(torch.int32), r.sm.view(torch.int16), r.offs, part, n_rows, cols, r.base, kh_split,
+            BLOCK_N=block_n, BLOCK_KH=block_kh, num_warps=num_warps, num_stages=num_stages)
+    else:
+        _resident_linear_kernel[(n_blocks, splits)](
+            x.view(torch.int32), r.sm.view(torch.int16), r.offs, part, m, n_rows, cols, r.base, x.stride(0),
+            kh_split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_KH=block_kh, DOT_F32=_INTERPRET,
+            num_warps=num_warps, num_stages=num_stages)
     _finish_kernel[(triton.cdiv(n_rows, block_r),)](part, y, x, plan.rowptr, plan.col, plan.corr, m, n_rows,
                                                      x.stride(0), SPLITS=splits, BLOCK_M=block_m, BLOCK_R=block_r,
                                                      BLOCK_C=block_c)

@@ -36,7 +36,7 @@ def test_decode_kernel_is_bit_exact_on_every_pattern():
 
 @pytest.mark.parametrize(("m", "n", "k", "block_n", "block_kh", "p_outlier"), [
     (1, 48, 96, 16, 32, 0.01), (5, 70, 64, 32, 16, 0.01), (17, 33, 130, 16, 64, 0.01), (64, 16, 32, 16, 16, 0.01),
-    (3, 20, 96, 16, 32, 0.2)])  # the last: ~40 escapes a row, several chunks of the correction pass
+    (3, 20, 96, 16, 32, 0.2), (1, 20, 96, 16, 32, 0.2)])  # ~40 escapes a row: several correction chunks
 def test_fused_matmul_matches_fp32_reference(m, n, k, block_n, block_kh, p_outlier):
     w = _weight(n, k, seed=m * 1000 + n, p_outlier=p_outlier)
     r = resident.from_bf16(w)
@@ -49,6 +49,9 @@ def test_fused_matmul_matches_fp32_reference(m, n, k, block_n, block_kh, p_outli
     torch.testing.assert_close(got.float(), ref, rtol=2e-2, atol=2e-2)
     again = rl.resident_linear(x, r, rl.escape_plan(r), bias, block_n=block_n, block_kh=block_kh)
     assert torch.equal(got.view(torch.int16), again.view(torch.int16))  # same inputs, same bits
+    if m == 1:  # the CUDA-core kernel for one row
+        gemv = rl.resident_linear(x, r, rl.escape_plan(r), bias, block_n=block_n, block_kh=block_kh, gemv=True)
+        torch.testing.assert_close(gemv.float(), ref, rtol=2e-2, atol=2e-2)
 
 
 def test_output_is_written_everywhere_and_an_infinity_stays_in_its_column(monkeypatch):
@@ -69,6 +72,18 @@ def test_output_is_written_everywhere_and_an_infinity_stays_in_its_column(monkey
     assert torch.isfinite(others).all()
     ref = x.float() @ torch.where(torch.isinf(w), 0, w).float().T
     torch.testing.assert_close(others.float(), torch.cat([ref[:, :5], ref[:, 6:]], 1), rtol=2e-2, atol=2e-2)
+
+
+def test_padding_lanes_stay_finite_when_the_window_tops_at_inf():
+    """Huge weights (2**120) put the window's top at exponent 255 (inf/NaN): lanes past the end of the row must
+    not decode to inf, or 0 * inf would poison the row."""
+    w = torch.full((8, 20), 2.0**120, dtype=torch.bfloat16)
+    r = resident.from_bf16(w)
+    assert r.base == 255 and r.esc_pos.numel() == 0
+    x = torch.full((1, 20), 2.0**-120, dtype=torch.bfloat16)
+    for gemv in (False, True):  # block_kh 8: the second tile of the 10 pairs is mostly padding
+        y = rl.resident_linear(x, r, rl.escape_plan(r), block_n=16, block_kh=8, gemv=gemv)
+        assert torch.equal(y, torch.full((1, 8), 20.0, dtype=torch.bfloat16)), y
 
 
 def test_refuses_what_it_cannot_do():
