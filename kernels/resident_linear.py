@@ -196,11 +196,12 @@ def resident_decode(r: ResidentWeight) -> torch.Tensor:
 
 
 def resident_linear(x: torch.Tensor, r: ResidentWeight, plan: EscapePlan, bias: torch.Tensor | None = None,
-                    block_n: int = 64, block_kh: int = 64, num_warps: int = 4, num_stages: int = 3,
-                    splits: int | None = None, block_r: int = 16, block_c: int = 16, gemv: bool = False
+                    block_n: int | None = None, block_kh: int = 64, num_warps: int = 4, num_stages: int = 3,
+                    splits: int | None = None, block_r: int = 16, block_c: int = 16, gemv: bool | None = None
                     ) -> torch.Tensor:
-    """y = x @ W.T (+ bias) for x [M, K] bf16, M <= MAX_ROWS; W decoded tile by tile on chip. `gemv`: one row
-    of x runs on the CUDA cores instead of a tensor-core tile padded to 16 rows."""
+    """y = x @ W.T (+ bias) for x [M, K] bf16, M <= MAX_ROWS; W decoded tile by tile on chip. `gemv` (default:
+    when M is 1): one row of x runs on the CUDA cores instead of a tensor-core tile padded to 16 rows. The
+    defaults are the best tiles of bench/gpu_linear.py on the H200 (docs/gpu.md)."""
     n_rows, cols = _check(r)
     if x.dim() != 2 or x.shape[1] != cols or x.dtype != torch.bfloat16:
         raise ValueError(f"x must be bf16 [M, {cols}], not {x.dtype} {tuple(x.shape)}")
@@ -208,6 +209,8 @@ def resident_linear(x: torch.Tensor, r: ResidentWeight, plan: EscapePlan, bias: 
     if m > MAX_ROWS:
         raise ValueError(f"{m} rows: the fused kernel takes up to {MAX_ROWS}; decode once and use the bf16 GEMM")
     x = x.contiguous()
+    gemv = m == 1 if gemv is None else gemv
+    block_n = block_n or (32 if gemv and m == 1 else 64)
     n_blocks = triton.cdiv(n_rows, block_n)
     kh = cols // 2
     if splits is None:  # 8 was the best of 8/16/32 at every Qwen3-8B shape on the H200 (docs/gpu.md)
