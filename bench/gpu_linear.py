@@ -33,8 +33,8 @@ SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 24576), "dow
 ROWS = (1, 8, 16, 64)
 PREFILL_ROWS = 512
 SWEEP = {"block_n": (64,), "block_kh": (64,), "num_stages": (3,), "splits": (8, 16)}  # best of run 6
-GEMV_SWEEP = {"gemv": (True,), "block_n": (32,), "block_kh": (64,), "splits": (4, 8, 16), "block_r": (16, 64),
-              "block_c": (16, 32)}  # the CUDA-core kernel, one row of x (tiles: best of run 7's sweep)
+GEMV_SWEEP = {"gemv": (True,), "block_n": (32,), "block_kh": (64,), "splits": (4, 8, 16), "fold": (False, True),
+              "block_c": (16, 32, 64)}  # the CUDA-core kernel, one row of x (tiles: best of runs 7-8)
 ROTATE_BYTES = 320 << 20  # more than twice the H200's L2
 LOG: dict[str, object] = {}
 

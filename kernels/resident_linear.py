@@ -87,8 +87,9 @@ def _resident_linear_kernel(x_pairs, sm_pairs, offs_ptr, part_ptr, M, N, K, base
 
 
 @triton.jit
-def _resident_gemv_kernel(x_pairs, sm_pairs, offs_ptr, part_ptr, N, K, base, KH_SPLIT,
-                          BLOCK_N: tl.constexpr, BLOCK_KH: tl.constexpr):
+def _resident_gemv_kernel(x_pairs, x_ptr, sm_pairs, offs_ptr, part_ptr, rowptr_ptr, esc_col_ptr, esc_corr_ptr,
+                          N, K, base, KH_SPLIT, BLOCK_N: tl.constexpr, BLOCK_KH: tl.constexpr,
+                          FOLD: tl.constexpr, BLOCK_C: tl.constexpr):
     """One row of x on the CUDA cores: bf16 -> fp32 is a 16-bit shift, products are exact in fp32, no
     padding of the row to a 16-row tensor-core tile."""
     n0 = tl.program_id(0) * BLOCK_N
@@ -112,14 +113,40 @@ def _resident_gemv_kernel(x_pairs, sm_pairs, offs_ptr, part_ptr, N, K, base, KH_
         x_odd = (xp & -65536).to(tl.float32, bitcast=True)
         acc += (w << 16).to(tl.float32, bitcast=True) * x_even[None, :]
         acc += (w & -65536).to(tl.float32, bitcast=True) * x_odd[None, :]
-    tl.store(part_ptr + split * N + rn, tl.sum(acc, axis=1), mask=n_ok)
+    out = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
+    if FOLD:  # noqa: SIM102 (FOLD is a compile-time constant, split is not)
+        # the first split adds the escape corrections: their latency hides behind the other splits' loads
+        if split == 0:
+            one = tl.arange(0, 1)
+            out = _add_corrections(out, rn, n_ok, one, one < 1, x_ptr, 0, rowptr_ptr, esc_col_ptr, esc_corr_ptr,
+                                   BLOCK_C)
+    tl.store(part_ptr + split * N + rn[None, :], out, mask=n_ok[None, :])
+
+
+@triton.jit
+def _add_corrections(acc, rn, n_ok, rm, m_ok, x_ptr, stride_xm, rowptr_ptr, esc_col_ptr, esc_corr_ptr,
+                     BLOCK_C: tl.constexpr):
+    """acc [M, rows] + each row's escape corrections ((value - the pattern the tiles used) * x), a
+    [rows, BLOCK_C] tile of them at a time, in list order."""
+    first = tl.load(rowptr_ptr + rn, mask=n_ok, other=0)
+    count = tl.load(rowptr_ptr + rn + 1, mask=n_ok, other=0) - first
+    rc = tl.arange(0, BLOCK_C)
+    for c0 in range(0, tl.max(count, axis=0), BLOCK_C):
+        e_ok = n_ok[:, None] & ((c0 + rc)[None, :] < count[:, None])  # [rows, BLOCK_C]
+        e = first[:, None] + c0 + rc[None, :]
+        col = tl.load(esc_col_ptr + e, mask=e_ok, other=0)
+        corr = tl.load(esc_corr_ptr + e, mask=e_ok, other=0.0)
+        xv = tl.load(x_ptr + rm[:, None, None] * stride_xm + col[None, :, :],
+                     mask=m_ok[:, None, None] & e_ok[None, :, :], other=0.0).to(tl.float32)
+        acc += tl.sum(tl.where(e_ok[None, :, :], xv * corr[None, :, :], 0.0), axis=2)
+    return acc
 
 
 @triton.jit
 def _finish_kernel(part_ptr, y_ptr, x_ptr, rowptr_ptr, esc_col_ptr, esc_corr_ptr, M, N, stride_xm,
-                   SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """y[:, rows] = the K splits summed in order, plus each row's escape corrections ((value - the pattern the
-    tiles used) * x), a [rows, BLOCK_C] tile of them at a time."""
+                   SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                   CORRECT: tl.constexpr):
+    """y[:, rows] = the K splits summed in order (+ the escape corrections unless a split already added them)."""
     rn = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rm = tl.arange(0, BLOCK_M)
     n_ok = rn < N
@@ -128,17 +155,9 @@ def _finish_kernel(part_ptr, y_ptr, x_ptr, rowptr_ptr, esc_col_ptr, esc_corr_ptr
     acc = tl.load(part_ptr + rm[:, None] * N + rn[None, :], mask=ok, other=0.0)
     for s in range(1, SPLITS):
         acc += tl.load(part_ptr + s * M * N + rm[:, None] * N + rn[None, :], mask=ok, other=0.0)
-    first = tl.load(rowptr_ptr + rn, mask=n_ok, other=0)
-    count = tl.load(rowptr_ptr + rn + 1, mask=n_ok, other=0) - first
-    rc = tl.arange(0, BLOCK_C)
-    for c0 in range(0, tl.max(count, axis=0), BLOCK_C):
-        e_ok = n_ok[:, None] & ((c0 + rc)[None, :] < count[:, None])  # [BLOCK_R, BLOCK_C]
-        e = first[:, None] + c0 + rc[None, :]
-        col = tl.load(esc_col_ptr + e, mask=e_ok, other=0)
-        corr = tl.load(esc_corr_ptr + e, mask=e_ok, other=0.0)
-        xv = tl.load(x_ptr + rm[:, None, None] * stride_xm + col[None, :, :],
-                     mask=m_ok[:, None, None] & e_ok[None, :, :], other=0.0).to(tl.float32)
-        acc += tl.sum(tl.where(e_ok[None, :, :], xv * corr[None, :, :], 0.0), axis=2)
+    if CORRECT:
+        acc = _add_corrections(acc, rn, n_ok, rm, m_ok, x_ptr, stride_xm, rowptr_ptr, esc_col_ptr, esc_corr_ptr,
+                               BLOCK_C)
     tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(tl.bfloat16), mask=ok)
 
 
@@ -197,10 +216,11 @@ def resident_decode(r: ResidentWeight) -> torch.Tensor:
 
 def resident_linear(x: torch.Tensor, r: ResidentWeight, plan: EscapePlan, bias: torch.Tensor | None = None,
                     block_n: int | None = None, block_kh: int = 64, num_warps: int = 4, num_stages: int = 3,
-                    splits: int | None = None, block_r: int = 16, block_c: int = 16, gemv: bool | None = None
-                    ) -> torch.Tensor:
+                    splits: int | None = None, block_r: int = 16, block_c: int = 16, gemv: bool | None = None,
+                    fold: bool = False) -> torch.Tensor:
     """y = x @ W.T (+ bias) for x [M, K] bf16, M <= MAX_ROWS; W decoded tile by tile on chip. `gemv` (default:
-    when M is 1): one row of x runs on the CUDA cores instead of a tensor-core tile padded to 16 rows. The
+    when M is 1): one row of x runs on the CUDA cores instead of a tensor-core tile padded to 16 rows; `fold`
+    (with it) has the first K split add the escape corrections instead of the split-sum launch. The
     defaults are the best tiles of bench/gpu_linear.py on the H200 (docs/gpu.md)."""
     n_rows, cols = _check(r)
     if x.dim() != 2 or x.shape[1] != cols or x.dtype != torch.bfloat16:
@@ -221,10 +241,12 @@ def resident_linear(x: torch.Tensor, r: ResidentWeight, plan: EscapePlan, bias: 
     part = torch.empty(splits, m, n_rows, dtype=torch.float32, device=x.device)
     y = torch.empty(m, n_rows, dtype=torch.bfloat16, device=x.device)
     block_m = max(16, triton.next_power_of_2(m))
+    fold = fold and gemv and m == 1
     if gemv and m == 1:
         _resident_gemv_kernel[(n_blocks, splits)](
-            x.view(torch.int32), r.sm.view(torch.int16), r.offs, part, n_rows, cols, r.base, kh_split,
-            BLOCK_N=block_n, BLOCK_KH=block_kh, num_warps=num_warps, num_stages=num_stages)
+            x.view(torch.int32), x, r.sm.view(torch.int16), r.offs, part, plan.rowptr, plan.col, plan.corr,
+            n_rows, cols, r.base, kh_split, BLOCK_N=block_n, BLOCK_KH=block_kh, FOLD=fold, BLOCK_C=block_c,
+            num_warps=num_warps, num_stages=num_stages)
     else:
         _resident_linear_kernel[(n_blocks, splits)](
             x.view(torch.int32), r.sm.view(torch.int16), r.offs, part, m, n_rows, cols, r.base, x.stride(0),
@@ -232,7 +254,7 @@ def resident_linear(x: torch.Tensor, r: ResidentWeight, plan: EscapePlan, bias: 
             num_warps=num_warps, num_stages=num_stages)
     _finish_kernel[(triton.cdiv(n_rows, block_r),)](part, y, x, plan.rowptr, plan.col, plan.corr, m, n_rows,
                                                      x.stride(0), SPLITS=splits, BLOCK_M=block_m, BLOCK_R=block_r,
-                                                     BLOCK_C=block_c)
+                                                     BLOCK_C=block_c, CORRECT=not fold)
     return y if bias is None else y + bias
 
 
