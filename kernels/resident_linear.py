@@ -217,10 +217,10 @@ def resident_decode(r: ResidentWeight) -> torch.Tensor:
 def resident_linear(x: torch.Tensor, r: ResidentWeight, plan: EscapePlan, bias: torch.Tensor | None = None,
                     block_n: int | None = None, block_kh: int = 64, num_warps: int = 4, num_stages: int = 3,
                     splits: int | None = None, block_r: int = 16, block_c: int = 16, gemv: bool | None = None,
-                    fold: bool = False) -> torch.Tensor:
+                    fold: bool | None = None) -> torch.Tensor:
     """y = x @ W.T (+ bias) for x [M, K] bf16, M <= MAX_ROWS; W decoded tile by tile on chip. `gemv` (default:
     when M is 1): one row of x runs on the CUDA cores instead of a tensor-core tile padded to 16 rows; `fold`
-    (with it) has the first K split add the escape corrections instead of the split-sum launch. The
+    (default: with gemv) has the first K split add the escape corrections instead of the split-sum launch. The
     defaults are the best tiles of bench/gpu_linear.py on the H200 (docs/gpu.md)."""
     n_rows, cols = _check(r)
     if x.dim() != 2 or x.shape[1] != cols or x.dtype != torch.bfloat16:
@@ -241,7 +241,7 @@ def resident_linear(x: torch.Tensor, r: ResidentWeight, plan: EscapePlan, bias: 
     part = torch.empty(splits, m, n_rows, dtype=torch.float32, device=x.device)
     y = torch.empty(m, n_rows, dtype=torch.bfloat16, device=x.device)
     block_m = max(16, triton.next_power_of_2(m))
-    fold = fold and gemv and m == 1
+    fold = (fold is None or fold) and gemv and m == 1
     if gemv and m == 1:
         _resident_gemv_kernel[(n_blocks, splits)](
             x.view(torch.int32), x, r.sm.view(torch.int16), r.offs, part, plan.rowptr, plan.col, plan.corr,
