@@ -25,7 +25,7 @@ demo: $(STAMP)
 	$(VENV)/bin/glyd bench codec --model demo --json
 
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider --durations=15
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
