@@ -48,6 +48,16 @@ def _pair_bits(pair, offs, base):
 
 
 @triton.jit
+def _tile_pairs(sm_pairs, offs_ptr, rn, n_ok, kh, k_ok, KH, base):
+    """The decoded pair words (int32) of W's tile [rows rn, column pairs kh]."""
+    w_ok = n_ok[:, None] & k_ok[None, :]
+    pair = tl.load(sm_pairs + rn[:, None] * KH + kh[None, :], mask=w_ok, other=0).to(tl.int32)
+    # padding lanes decode as escapes: a finite pattern, so 0 * it is 0 even when base is inf's exponent
+    offs = tl.load(offs_ptr + rn[:, None] * KH + kh[None, :], mask=w_ok, other=0xFF).to(tl.int32)
+    return _pair_bits(pair, offs, base)
+
+
+@triton.jit
 def _resident_linear_kernel(x_pairs, sm_pairs, offs_ptr, part_ptr, M, N, K, base, stride_xm, KH_SPLIT,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KH: tl.constexpr,
                             DOT_F32: tl.constexpr):
@@ -65,11 +75,7 @@ def _resident_linear_kernel(x_pairs, sm_pairs, offs_ptr, part_ptr, M, N, K, base
     for kh0 in range(k_lo, k_hi, BLOCK_KH):
         kh = kh0 + rk
         k_ok = kh < k_hi
-        w_ok = n_ok[:, None] & k_ok[None, :]
-        pair = tl.load(sm_pairs + rn[:, None] * KH + kh[None, :], mask=w_ok, other=0).to(tl.int32)
-        # padding lanes decode as escapes: a finite pattern, so 0 * it is 0 even when base is inf's exponent
-        offs = tl.load(offs_ptr + rn[:, None] * KH + kh[None, :], mask=w_ok, other=0xFF).to(tl.int32)
-        w = _pair_bits(pair, offs, base)
+        w = _tile_pairs(sm_pairs, offs_ptr, rn, n_ok, kh, k_ok, KH, base)
         w_even = _to_bf16(w & 0xFFFF)
         w_odd = _to_bf16((w >> 16) & 0xFFFF)
         xp = tl.load(x_pairs + rm[:, None] * (stride_xm // 2) + kh[None, :], mask=m_ok[:, None] & k_ok[None, :],
@@ -104,10 +110,7 @@ def _resident_gemv_kernel(x_pairs, x_ptr, sm_pairs, offs_ptr, part_ptr, rowptr_p
     for kh0 in range(k_lo, k_hi, BLOCK_KH):
         kh = kh0 + rk
         k_ok = kh < k_hi
-        w_ok = n_ok[:, None] & k_ok[None, :]
-        pair = tl.load(sm_pairs + rn[:, None] * KH + kh[None, :], mask=w_ok, other=0).to(tl.int32)
-        offs = tl.load(offs_ptr + rn[:, None] * KH + kh[None, :], mask=w_ok, other=0xFF).to(tl.int32)
-        w = _pair_bits(pair, offs, base)
+        w = _tile_pairs(sm_pairs, offs_ptr, rn, n_ok, kh, k_ok, KH, base)
         xp = tl.load(x_pairs + kh, mask=k_ok, other=0)
         x_even = (xp << 16).to(tl.float32, bitcast=True)
         x_odd = (xp & -65536).to(tl.float32, bitcast=True)
