@@ -90,8 +90,8 @@ class Source:
 def _reserve_bytes_via_cpu(orig):  # noqa: ANN001, ANN202
     """Run the reference allocator (a host-side loop) on a CPU copy of `ptr` and write the copy back.
 
-    Measured this way on 2026-11-30 when reserve_bytes still built a CPU tensor beside device indices;
-    that is fixed in kv_page.py since, but the fix is not yet verified on the GPU, so the bench keeps this."""
+    The fallback for an allocator that fails on the device (it did before kv_page.py's fix of 2026-11-30): the
+    bench tries the device path first and logs which one it used."""
     def reserve_bytes(self, blocks, heads, kv, need):  # noqa: ANN001, ANN202
         dev_ptr = self.ptr
         self.ptr = dev_ptr.cpu()
@@ -102,6 +102,61 @@ def _reserve_bytes_via_cpu(orig):  # noqa: ANN001, ANN202
             self.ptr = dev_ptr
         return off.to(blocks.device)
     return reserve_bytes
+
+
+MODEL_CONTEXT = 8192
+QWEN3_8B_LAYERS = 36
+LM_HEAD = (4096, 151936)  # K -> N: Qwen3-8B's lm_head (not tied to the embedding)
+
+
+def model_batch(kv_bytes: float, token_bytes_per_layer: int) -> int:
+    """Sequences of MODEL_CONTEXT tokens a cache of kv_bytes holds across Qwen3-8B's layers."""
+    return int(kv_bytes // (token_bytes_per_layer * QWEN3_8B_LAYERS * MODEL_CONTEXT))
+
+
+def throughput_model(batches: dict[str, int], attn: dict[str, float], dev: str) -> dict[str, object]:
+    """Decode tokens a second of a Qwen3-8B-shaped model from per-layer kernel timings (docs/gpu.md, "Throughput
+    model"): step = 36 x (attention + page write + qkv + o + gate_up + down) + lm_head, each at the batch its
+    cache holds; norms, rotary, activation and sampling are left out (the same work in both)."""
+    from bench import gpu_linear
+    from glyd_engine.format import resident
+    from kernels import resident_linear as rl
+
+    gen = torch.Generator(device=dev).manual_seed(1)
+    shapes = {**gpu_linear.SHAPES, "lm_head": LM_HEAD}
+    lin: dict[str, float] = {}
+    for name, (k, n) in shapes.items():
+        w = gpu_linear.weight(n, k, dev, gen)
+        r = resident.from_bf16(w)
+        plan = rl.escape_plan(r)
+        copies = max(1, -(-gpu_linear.ROTATE_BYTES // (2 * n * k)))
+        ws = [w] + [w.clone() for _ in range(copies - 1)]
+        rs = [r] + [resident.ResidentWeight(r.shape, r.sm.clone(), r.offs.clone(), r.base, r.esc_pos.clone(),
+                                            r.esc_bits.clone()) for _ in range(copies - 1)]
+        for kind, S in batches.items():
+            x = torch.randn(S, k, device=dev, generator=gen).to(torch.bfloat16)
+            lin[f"bf16_{name}_b{S}"] = gpu_linear.timed([lambda ww=ww, x=x: torch.matmul(x, ww.T) for ww in ws], True)
+            if kind == "glyd":  # what the glyd op runs at this many rows (weights.py)
+                if S <= rl.FUSED_ROWS:
+                    fns = [lambda rr=rr, x=x, p=plan: rl.resident_linear(x, rr, p) for rr in rs]
+                else:
+                    fns = [lambda rr=rr, x=x: torch.matmul(x, rl.resident_decode(rr).T) for rr in rs]
+                lin[f"glyd_{name}_b{S}"] = gpu_linear.timed(fns, True)
+        del ws, rs
+        torch.cuda.empty_cache()
+    bb, gb = batches["bf16"], batches["glyd"]
+    layer = [n for n in shapes if n != "lm_head"]
+
+    def step(b: int, attention: float, write: float, weights: str) -> float:
+        per_layer = attention + write + sum(lin[f"{weights}_{n}_b{b}"] for n in layer)
+        return QWEN3_8B_LAYERS * per_layer + lin[f"{weights}_lm_head_b{b}"]
+
+    steps = {"bf16": step(bb, attn.get(f"vllm_b{bb}", float("nan")), 0.0, "bf16"),
+             "glyd_kv_bf16_weights": step(gb, attn[f"glyd_b{gb}"], attn[f"write_b{gb}"], "bf16"),
+             "glyd": step(gb, attn[f"glyd_b{gb}"], attn[f"write_b{gb}"], "glyd")}
+    tok = {k: (bb if k == "bf16" else gb) / (v / 1e3) for k, v in steps.items()}
+    return {"linear_ms": lin, "step_ms": steps, "tokens_per_s": tok,
+            "ratio_vs_bf16": {k: v / tok["bf16"] for k, v in tok.items() if k != "bf16"}}
 
 
 def bench_fn(fn, graphs: bool) -> float:  # noqa: ANN001
@@ -148,6 +203,8 @@ def main() -> None:  # noqa: C901, PLR0915
     ap.add_argument("--batches", default="1,8,32,64,128")
     ap.add_argument("--contexts", default="1024,8192,32768")
     ap.add_argument("--layer", type=int, default=15)
+    ap.add_argument("--kv-gib", type=float, default=100.0, help="KV memory of the throughput model (both caches)")
+    ap.add_argument("--no-model", action="store_true", help="skip the throughput model")
     args = ap.parse_args()
     out = Path(args.out) if args.out else None
     if out:
@@ -170,7 +227,6 @@ def main() -> None:  # noqa: C901, PLR0915
 
     copy_tbs = None
     if not smoke:
-        DeviceOverflowStore.reserve_bytes = _reserve_bytes_via_cpu(DeviceOverflowStore.reserve_bytes)
         copy_tbs = copy_bandwidth(dev)
         print(f"copy bandwidth {copy_tbs:.2f} TB/s (read + write)")
         log("copy_TBps", copy_tbs, out)
@@ -197,6 +253,11 @@ def main() -> None:  # noqa: C901, PLR0915
 
     # --- the pools: every combination takes its blocks from one pool --------------------------------
     max_tokens = max(batches) * max(contexts)
+    model_batches = None
+    if not smoke and not args.no_model:
+        model_batches = {kind: model_batch(args.kv_gib * 2**30, per_token) for kind, per_token in
+                         (("bf16", 4 * D * H), ("glyd", lay.token_bytes * H))}
+        max_tokens = max(max_tokens, max(model_batches.values()) * MODEL_CONTEXT)
     nblocks = max_tokens // B + 64
     cache = torch.empty(nblocks, H, lay.page_bytes, dtype=torch.uint8, device=dev)
     k_pool = torch.empty(nblocks, B, H, D, dtype=torch.bfloat16, device=dev)
@@ -204,15 +265,26 @@ def main() -> None:  # noqa: C901, PLR0915
     ovf = DeviceOverflowStore(nblocks, H, device=dev)
     chunk_blocks = 64 if smoke else 4096
     t0 = time.time()
+    overflow_path = "device"
     for b0 in range(0, nblocks, chunk_blocks):
         nb = min(chunk_blocks, nblocks - b0)
         k, v = src.draw(nb * B)
         k_pool[b0 : b0 + nb] = k.view(nb, B, H, D)
         v_pool[b0 : b0 + nb] = v.view(nb, B, H, D)
-        writer.write(cache, ovf, k, v, torch.arange(b0 * B, (b0 + nb) * B, device=dev))
+        slots = torch.arange(b0 * B, (b0 + nb) * B, device=dev)
+        try:
+            writer.write(cache, ovf, k, v, slots)
+        except RuntimeError as exc:  # the overflow allocator on the device: fall back to a CPU copy, say so
+            if overflow_path != "device" or smoke:
+                raise
+            overflow_path = f"cpu copy ({exc!r:.200})"
+            print("overflow allocation on the device failed; using a CPU copy:", exc)
+            DeviceOverflowStore.reserve_bytes = _reserve_bytes_via_cpu(DeviceOverflowStore.reserve_bytes)
+            writer.write(cache, ovf, k, v, slots)
     if not smoke:
         torch.cuda.synchronize()
     log("pool", {"blocks": nblocks, "seconds": time.time() - t0, "overflow_values": writer.counters.overflow_values,
+                 "overflow_allocation": overflow_path,
                  "overflow_runs": ovf.runs_in_use, "overflow_bytes": ovf.bytes_held,
                  "values": writer.counters.values}, out)
     print(f"pool: {nblocks} blocks in {time.time() - t0:.1f} s; overflow values {writer.counters.overflow_values} "
@@ -385,14 +457,52 @@ def main() -> None:  # noqa: C901, PLR0915
             print("row", {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()})
             log("rows", rows, out)
 
-    # page writes: a prefill run of 32k tokens, and 128 single decode tokens
-    writes = {}
+    if model_batches is not None:
+        model: dict[str, object] = {"kv_gib": args.kv_gib, "context": MODEL_CONTEXT, "batches": model_batches}
+        try:
+            attn = {}
+            for S in model_batches.values():
+                bt, lens, q = make_case(S, MODEL_CONTEXT, 0)
+                o = torch.empty_like(q)
+                attn[f"glyd_b{S}"] = bench_fn(ours(q, bt, lens, MODEL_CONTEXT, o, cfg), True)
+                if unified_attention is not None:
+                    attn[f"vllm_b{S}"] = bench_fn(vllm_fn(q, bt, lens, MODEL_CONTEXT, o, scratch_for(S)), True)
+                k1, v1 = src.draw(S)
+                s1 = (torch.randperm(nblocks - 64, generator=gen)[:S] * B + 5).to(dev)
+                attn[f"write_b{S}"] = bench_fn(lambda k1=k1, v1=v1, s1=s1: writer.launch(cache, k1, v1, s1), True)
+            model["attention_ms"] = attn
+            model.update(throughput_model(model_batches, attn, dev))
+        except Exception as exc:  # noqa: BLE001
+            model["error"] = repr(exc)[:300]
+            traceback.print_exc()
+        print("model", json.dumps(model, indent=1, default=str))
+        log("model", model, out)
+
+    # page writes: a prefill run of 32k tokens (a sweep of tokens a program x warps, the best checked byte for
+    # byte against the default writer), and 128 single decode tokens
+    writes: dict[str, object] = {}
     try:
         T = 32768
         k, v = src.draw(T)
-        slots = torch.arange(T, device=dev) + B * 64
-        writes["prefill_ms"] = bench_fn(lambda: writer.launch(cache, k, v, slots), False)
-        writes["prefill_GBps_bf16_in"] = 2 * k.numel() * 2 / writes["prefill_ms"] / 1e6
+        slots = torch.arange(T, device=dev)
+        nbw = T // B
+        sweep = {}
+        for tb, warps in ((8, 2), (8, 4), (16, 2), (16, 4), (16, 8), (32, 4), (32, 8), (64, 8)):
+            w = PageWriter(lay, dec_dev, tokens_per_program=tb, num_warps=warps)
+            wc = torch.zeros(nbw, H, lay.page_bytes, dtype=torch.uint8, device=dev)
+            sweep[f"tb{tb}w{warps}"] = bench_fn(lambda w=w, wc=wc: w.launch(wc, k, v, slots), False)
+        best_w = min(sweep, key=sweep.get)
+        writes["sweep_ms"] = sweep
+        writes["best"] = best_w
+        writes["prefill_ms"] = sweep[best_w]
+        writes["prefill_GBps_bf16_in"] = 2 * k.numel() * 2 / sweep[best_w] / 1e6
+        tb, warps = (int(x) for x in best_w[2:].split("w"))
+        ca = torch.zeros(nbw, H, lay.page_bytes, dtype=torch.uint8, device=dev)
+        cb = torch.zeros_like(ca)
+        sa = PageWriter(lay, dec_dev).launch(ca, k, v, slots)[0]
+        sb = PageWriter(lay, dec_dev, tokens_per_program=tb, num_warps=warps).launch(cb, k, v, slots)[0]
+        writes["best_equals_default_bytes"] = bool(torch.equal(ca, cb) and torch.equal(sa, sb))
+        del ca, cb
         k1, v1 = src.draw(128)
         s1 = (torch.randperm(nblocks - 64, generator=gen)[:128] * B + 5).to(dev)
         writes["decode128_ms"] = bench_fn(lambda: writer.launch(cache, k1, v1, s1), True)

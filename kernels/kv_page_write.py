@@ -1,14 +1,17 @@
 """Appending K/V tokens into Glyd's compressed KV pages (docs/format.md section 2), in Triton.
 
-Two launches over (token, KV head), K and V in the same program:
+Two launches over (group of TB tokens of the call, KV head), K and V in the same program; a group loads
+its head's tables once:
 
 1. `_write_rows_kernel`: split each bf16 value into exponent and sign/mantissa, code the exponent
-   against the channel's 7-entry table (7 = escape), write the token's sign/mantissa row and its 3
-   code-plane rows. Rows of one page written by one call do not depend on each other here.
-2. `_write_escapes_kernel`: once every code row of the call is in place, each token counts the escapes
-   of its page's rows before it (popcounts of plane0 & plane1 & plane2 bytes), adds its in-row prefix
-   count, and stores its escape exponents at those ranks in the page's escape area. Ranks at or past
-   the reserve are not stored: they are counted (`stats[kv]`) and their row's first rank is kept.
+   against the channel's 7-entry table (7 = escape), write the tokens' sign/mantissa rows and their 3
+   code-plane rows, and each row's escape count into scratch. Rows of one page written by one call do
+   not depend on each other here.
+2. `_write_escapes_kernel`: once every code row of the call is in place, each token sums the escapes
+   of its page's rows before it (rows this call wrote: the scratch counts; rows of earlier calls:
+   popcounts of plane0 & plane1 & plane2 bytes), adds its in-row prefix count, and stores its escape
+   exponents at those ranks in the page's escape area. Ranks at or past the reserve are not stored:
+   they are counted (`stats[kv]`) and their row's first rank is kept.
 
 Escapes past the reserve (the overflow path: rare, the lossless path for adversarial prompts) are then
 written by torch in `write_pages` into a `DeviceOverflowStore` (OverflowStore whose arena lives on the
@@ -53,43 +56,54 @@ class WriteCounters:
 
 
 @triton.jit
-def _codes(x_ptr, tab_ptr, D: tl.constexpr):
-    """bf16 row [D] -> (exponent int32, sign/mantissa int32, code int32) against its 7-entry tables."""
+def _codes(x_ptr, t, ok, tab_ptr, stride_x0, D: tl.constexpr):
+    """bf16 rows [TB, D] of tokens t -> (exponent, sign/mantissa, code) int32 against the 7-entry tables,
+    loaded once a program."""
     d = tl.arange(0, D)
-    bits = tl.load(x_ptr + d).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    x = tl.load(x_ptr + t.to(tl.int64)[:, None] * stride_x0 + d[None, :], mask=ok[:, None], other=0)
+    bits = x.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     e = (bits >> 7) & 0xFF
     sm = ((bits >> 8) & 0x80) | (bits & 0x7F)
-    code = tl.full([D], 7, tl.int32)
+    code = tl.full(e.shape, 7, tl.int32)
     for c in tl.static_range(6, -1, -1):  # reversed: were an exponent listed twice, the first code wins
         tv = tl.load(tab_ptr + d * 7 + c).to(tl.int32)
-        code = tl.where(e == tv, c, code)
+        code = tl.where(e == tv[None, :], c, code)
     return e, sm, code
 
 
 @triton.jit
-def _write_rows_kernel(key_ptr, val_ptr, slots_ptr, dec_ptr, cache_ptr, stride_x0, stride_x1, page_bytes,
-                       num_kv_heads, D: tl.constexpr, B: tl.constexpr, K_SM: tl.constexpr, V_SM: tl.constexpr,
-                       K_CODE: tl.constexpr, V_CODE: tl.constexpr):
-    t = tl.program_id(0)
+def _tokens(slots_ptr, cache_ptr, T, h, page_bytes, num_kv_heads, B: tl.constexpr, TB: tl.constexpr):
+    """The program's tokens: index, in range and not padding, slot, offset in page, page pointer."""
+    t = tl.program_id(0) * TB + tl.arange(0, TB)
+    slot = tl.load(slots_ptr + t, mask=t < T, other=-1)
+    ok = slot >= 0
+    blk = tl.where(ok, slot // B, 0)
+    page = cache_ptr + (blk * num_kv_heads + h) * page_bytes
+    return t, ok, slot, tl.where(ok, slot % B, 0), page
+
+
+@triton.jit
+def _write_rows_kernel(key_ptr, val_ptr, slots_ptr, dec_ptr, cache_ptr, count_ptr, T, stride_x0, stride_x1,
+                       page_bytes, num_kv_heads, D: tl.constexpr, B: tl.constexpr, TB: tl.constexpr,
+                       K_SM: tl.constexpr, V_SM: tl.constexpr, K_CODE: tl.constexpr, V_CODE: tl.constexpr):
     h = tl.program_id(1)
-    slot = tl.load(slots_ptr + t)
-    if slot >= 0:
-        blk = slot // B
-        off = slot % B
-        page = cache_ptr + (blk * num_kv_heads + h) * page_bytes
-        d = tl.arange(0, D)
-        j = tl.arange(0, D // 8)
-        b = tl.arange(0, 8)
-        for kv in tl.static_range(2):
-            x_ptr = (key_ptr if kv == 0 else val_ptr) + t.to(tl.int64) * stride_x0 + h * stride_x1
-            e, sm, code = _codes(x_ptr, dec_ptr + (kv * num_kv_heads + h) * D * 7, D)
-            SM = K_SM if kv == 0 else V_SM
-            CO = K_CODE if kv == 0 else V_CODE
-            tl.store(page + SM + off * D + d, sm.to(tl.uint8))
-            c2 = tl.reshape(code, (D // 8, 8))
-            for p in tl.static_range(3):
-                byte = tl.sum(((c2 >> p) & 1) << b[None, :], axis=1)
-                tl.store(page + CO + off * (3 * D // 8) + p * (D // 8) + j, byte.to(tl.uint8))
+    t, ok, slot, off, page = _tokens(slots_ptr, cache_ptr, T, h, page_bytes, num_kv_heads, B, TB)
+    d = tl.arange(0, D)
+    j = tl.arange(0, D // 8)
+    b = tl.arange(0, 8)
+    for kv in tl.static_range(2):
+        x_ptr = (key_ptr if kv == 0 else val_ptr) + h * stride_x1
+        e, sm, code = _codes(x_ptr, t, ok, dec_ptr + (kv * num_kv_heads + h) * D * 7, stride_x0, D)
+        SM = K_SM if kv == 0 else V_SM
+        CO = K_CODE if kv == 0 else V_CODE
+        tl.store(page[:, None] + SM + off[:, None] * D + d[None, :], sm.to(tl.uint8), mask=ok[:, None])
+        c3 = tl.reshape(code, (TB, D // 8, 8))
+        row = page[:, None] + CO + off[:, None] * (3 * D // 8) + j[None, :]
+        for p in tl.static_range(3):
+            byte = tl.sum(((c3 >> p) & 1) << b[None, None, :], axis=2)
+            tl.store(row + p * (D // 8), byte.to(tl.uint8), mask=ok[:, None])
+        # this row's escape count, so the escape pass need not re-count rows written by this call
+        tl.store(count_ptr + (t * num_kv_heads + h) * 2 + kv, tl.sum((code == 7).to(tl.int32), axis=1), mask=ok)
 
 
 @triton.jit
@@ -100,39 +114,52 @@ def _popc8(x):
 
 
 @triton.jit
-def _write_escapes_kernel(key_ptr, val_ptr, slots_ptr, dec_ptr, cache_ptr, stats_ptr, first_rank_ptr,
+def _write_escapes_kernel(key_ptr, val_ptr, slots_ptr, dec_ptr, cache_ptr, count_ptr, stats_ptr, first_rank_ptr, T,
                           stride_x0, stride_x1, page_bytes, num_kv_heads,
-                          D: tl.constexpr, B: tl.constexpr, K_CODE: tl.constexpr, V_CODE: tl.constexpr,
-                          K_ESC: tl.constexpr, V_ESC: tl.constexpr, K_RES: tl.constexpr, V_RES: tl.constexpr):
-    t = tl.program_id(0)
+                          D: tl.constexpr, B: tl.constexpr, TB: tl.constexpr, K_CODE: tl.constexpr,
+                          V_CODE: tl.constexpr, K_ESC: tl.constexpr, V_ESC: tl.constexpr, K_RES: tl.constexpr,
+                          V_RES: tl.constexpr):
     h = tl.program_id(1)
-    slot = tl.load(slots_ptr + t)
-    if slot >= 0:
-        blk = slot // B
-        off = slot % B
-        page = cache_ptr + (blk * num_kv_heads + h) * page_bytes
-        r = tl.arange(0, B)
-        j = tl.arange(0, D // 8)
+    t, ok, slot, off, page = _tokens(slots_ptr, cache_ptr, T, h, page_bytes, num_kv_heads, B, TB)
+    j = tl.arange(0, D // 8)
+    # Escapes in the rows before each token of its page. A row this call wrote sits at the same distance
+    # back in the call (a run): take its count. Rows of earlier calls: popcount their code planes.
+    base_k = tl.zeros([TB], tl.int32)
+    base_v = tl.zeros([TB], tl.int32)
+    for r in range(0, B):
+        back = off - r
+        before = ok & (back > 0)
+        tp = t - back
+        prev = tl.load(slots_ptr + tp, mask=before & (tp >= 0), other=-2)
+        in_call = before & (tp >= 0) & (prev == slot - back)
+        old = (before & ~in_call)[:, None]
         for kv in tl.static_range(2):
-            x_ptr = (key_ptr if kv == 0 else val_ptr) + t.to(tl.int64) * stride_x0 + h * stride_x1
-            e, sm, code = _codes(x_ptr, dec_ptr + (kv * num_kv_heads + h) * D * 7, D)
             CO = K_CODE if kv == 0 else V_CODE
-            ESC = K_ESC if kv == 0 else V_ESC
-            RES = K_RES if kv == 0 else V_RES
-            rows = page + CO + r[:, None] * (3 * D // 8) + j[None, :]
-            before = (r < off)[:, None]
-            p0 = tl.load(rows, mask=before, other=0).to(tl.int32)
-            p1 = tl.load(rows + D // 8, mask=before, other=0).to(tl.int32)
-            p2 = tl.load(rows + 2 * (D // 8), mask=before, other=0).to(tl.int32)
-            base = tl.sum(tl.sum(_popc8(p0 & p1 & p2), axis=1), axis=0)
-            flags = (code == 7).to(tl.int32)
-            rank = base + tl.cumsum(flags, axis=0) - flags
-            is_esc = flags != 0
-            tl.store(page + ESC + rank, e.to(tl.uint8), mask=is_esc & (rank < RES))
-            n_over = tl.sum((is_esc & (rank >= RES)).to(tl.int32), axis=0)
-            tl.store(first_rank_ptr + (t.to(tl.int64) * num_kv_heads + h) * 2 + kv, base)
-            if n_over > 0:
-                tl.atomic_add(stats_ptr + kv, n_over)
+            counted = tl.load(count_ptr + (tp * num_kv_heads + h) * 2 + kv, mask=in_call, other=0)
+            rows = page[:, None] + CO + r * (3 * D // 8) + j[None, :]
+            p0 = tl.load(rows, mask=old, other=0).to(tl.int32)
+            p1 = tl.load(rows + D // 8, mask=old, other=0).to(tl.int32)
+            p2 = tl.load(rows + 2 * (D // 8), mask=old, other=0).to(tl.int32)
+            n = counted + tl.sum(_popc8(p0 & p1 & p2), axis=1)
+            if kv == 0:
+                base_k += n
+            else:
+                base_v += n
+    n_over = 0
+    for kv in tl.static_range(2):
+        x_ptr = (key_ptr if kv == 0 else val_ptr) + h * stride_x1
+        e, sm, code = _codes(x_ptr, t, ok, dec_ptr + (kv * num_kv_heads + h) * D * 7, stride_x0, D)
+        ESC = K_ESC if kv == 0 else V_ESC
+        RES = K_RES if kv == 0 else V_RES
+        base = base_k if kv == 0 else base_v
+        flags = ((code == 7) & ok[:, None]).to(tl.int32)
+        rank = base[:, None] + tl.cumsum(flags, axis=1) - flags
+        is_esc = flags != 0
+        tl.store(page[:, None] + ESC + rank, e.to(tl.uint8), mask=is_esc & (rank < RES))
+        n_over = tl.sum(tl.sum((is_esc & (rank >= RES)).to(tl.int32), axis=1), axis=0)
+        tl.store(first_rank_ptr + (t * num_kv_heads + h) * 2 + kv, base, mask=ok)
+        if n_over > 0:
+            tl.atomic_add(stats_ptr + kv, n_over)
 
 
 def _offsets(layout: KVPageLayout) -> dict[str, int]:
@@ -144,7 +171,8 @@ def _offsets(layout: KVPageLayout) -> dict[str, int]:
 class PageWriter:
     """Write path of one layer: decode table uint8 [2, H, D, 7] on the cache's device, and scratch."""
 
-    def __init__(self, layout: KVPageLayout, decode_table: torch.Tensor) -> None:
+    def __init__(self, layout: KVPageLayout, decode_table: torch.Tensor, tokens_per_program: int = 16,
+                 num_warps: int = 4) -> None:
         if layout.head_size & (layout.head_size - 1) or layout.head_size < 8:
             raise ValueError(f"the Triton page writer needs a power-of-two head size, not {layout.head_size}")
         if layout.block_size & (layout.block_size - 1):
@@ -153,6 +181,8 @@ class PageWriter:
         self.dec = decode_table.contiguous()
         self.enc = encode_table(decode_table.cpu()).to(decode_table.device)
         self.counters = WriteCounters()
+        self.tokens_per_program = tokens_per_program  # a power of two; a token group shares the tables' loads
+        self.num_warps = num_warps
 
     def launch(self, cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,15 +196,22 @@ class PageWriter:
         first = torch.empty(T, H, 2, dtype=torch.int32, device=cache.device)
         if T == 0:
             return stats, first
+        if key.stride(2) != 1:
+            key, value = key.contiguous(), value.contiguous()
         slots = slots.to(torch.int64).contiguous()
+        counts = torch.empty(T, H, 2, dtype=torch.int32, device=cache.device)
         offs = _offsets(lay)
-        _write_rows_kernel[(T, H)](key, value, slots, self.dec, cache, key.stride(0), key.stride(1),
-                                   lay.page_bytes, H, D=D, B=lay.block_size, K_SM=offs["K_SM"], V_SM=offs["V_SM"],
-                                   K_CODE=offs["K_CODE"], V_CODE=offs["V_CODE"], num_warps=1)
-        _write_escapes_kernel[(T, H)](key, value, slots, self.dec, cache, stats, first, key.stride(0),
-                                      key.stride(1), lay.page_bytes, H, D=D, B=lay.block_size,
-                                      K_CODE=offs["K_CODE"], V_CODE=offs["V_CODE"], K_ESC=offs["K_ESC"],
-                                      V_ESC=offs["V_ESC"], K_RES=offs["K_RES"], V_RES=offs["V_RES"], num_warps=1)
+        tb = self.tokens_per_program
+        grid = (triton.cdiv(T, tb), H)
+        _write_rows_kernel[grid](key, value, slots, self.dec, cache, counts, T, key.stride(0), key.stride(1),
+                                 lay.page_bytes, H, D=D, B=lay.block_size, TB=tb, K_SM=offs["K_SM"],
+                                 V_SM=offs["V_SM"], K_CODE=offs["K_CODE"], V_CODE=offs["V_CODE"],
+                                 num_warps=self.num_warps)
+        _write_escapes_kernel[grid](key, value, slots, self.dec, cache, counts, stats, first, T, key.stride(0),
+                                    key.stride(1), lay.page_bytes, H, D=D, B=lay.block_size, TB=tb,
+                                    K_CODE=offs["K_CODE"], V_CODE=offs["V_CODE"], K_ESC=offs["K_ESC"],
+                                    V_ESC=offs["V_ESC"], K_RES=offs["K_RES"], V_RES=offs["V_RES"],
+                                    num_warps=self.num_warps)
         self.counters.calls += 1
         self.counters.values += 2 * key.numel()
         return stats, first

@@ -45,25 +45,26 @@ def test_write_matches_reference_and_decodes_exactly(D: int, e: int) -> None:
     g = torch.Generator().manual_seed(D)
     H, B, nb = 2, 16, 5
     lay = layout(D, B, e, e)
-    k, v = make_kv(36, H, D, g, spread=1.5)
+    k, v = make_kv(39, H, D, g, spread=1.5)
     dec = tables_from(k[:12], v[:12])
     codec = KVPageCodec(lay, dec)
     ref_cache = torch.randint(0, 256, (nb, H, lay.page_bytes), dtype=torch.uint8, generator=g)
     cache = ref_cache.clone()
     ref_ovf, ovf = codec.new_overflow(nb), DeviceOverflowStore(nb, H)
     writer = PageWriter(lay, dec)
-    # A prefill run over blocks 3, 1, 4 (the last one half full), then two decode tokens, one padding slot.
+    # A prefill run over blocks 3, 1, 4 (the last one partly full), a decode token, a padding slot, then a
+    # run that goes on mid-page (rows before it from earlier calls and from itself) with a padding slot inside.
     blocks = torch.tensor([3, 1, 4])
     t = torch.arange(34)
     prefill = blocks[t // B] * B + t % B
     runs = [(slice(0, 34), prefill), (slice(34, 35), torch.tensor([4 * B + 2])),
-            (slice(35, 36), torch.tensor([-1]))]
+            (slice(35, 36), torch.tensor([-1])), (slice(36, 39), torch.tensor([4 * B + 3, -1, 4 * B + 4]))]
     for sl, slots in runs:
         codec.write(ref_cache, ref_ovf, k[sl], v[sl], slots)
         writer.write(cache, ovf, k[sl], v[sl], slots)
     assert codec.stats.overflow > 0, "the test must exercise the overflow path"
     assert writer.counters.overflow_values == codec.stats.overflow
-    filled = {3: B, 1: B, 4: 3}
+    filled = {3: B, 1: B, 4: 5}
     for blk, rows in filled.items():
         for a, b in _sections(lay):
             n = (b - a) // B * rows
@@ -76,8 +77,8 @@ def test_write_matches_reference_and_decodes_exactly(D: int, e: int) -> None:
         for a, b in ((rk, ok), (rv, ov), (rk, dk), (rv, dv)):
             assert torch.equal(_bits(a[i, :, :r]), _bits(b[i, :, :r]))
     # and the values are the inputs
-    keys = torch.cat([dk[0].transpose(0, 1), dk[1].transpose(0, 1), dk[2, :, :2].transpose(0, 1)])
-    assert torch.equal(_bits(keys), _bits(k[:34]))
+    keys = torch.cat([dk[0].transpose(0, 1), dk[1].transpose(0, 1), dk[2, :, :5].transpose(0, 1)])
+    assert torch.equal(_bits(keys), _bits(torch.cat([k[:35], k[36:37], k[38:39]])))
 
 
 def _paged(lens, H, D, B, e, g, kv=None):  # noqa: ANN001, ANN202
