@@ -32,12 +32,11 @@ from kernels import resident_linear as rl  # noqa: E402
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 24576), "down": (12288, 4096)}  # K -> N
 ROWS = (1, 8, 16, 64)
 PREFILL_ROWS = 512
-SWEEP = {"block_n": (32, 64), "block_kh": (64,), "num_stages": (3,), "splits": (4, 8, 16)}  # around run 6's best
-GEMV_SWEEP = {"gemv": (True,), "block_n": (16, 32, 64), "block_kh": (64,), "splits": (2, 4, 8, 16),
-              "fold": (True,)}  # the CUDA-core kernel, one row of x (around the best of runs 7-9)
-GEMV_EXTRA = ({"gemv": True, "block_n": 32, "block_kh": 128, "splits": 4}, {"gemv": True, "block_n": 32,
-              "block_kh": 128, "splits": 8, "num_warps": 8}, {"gemv": True, "block_n": 32, "block_kh": 64,
-              "splits": 8, "num_warps": 8})
+SWEEP = {"block_n": (32, 64), "block_kh": (64,), "num_stages": (3,), "splits": (4, 8)}  # around run 6's best
+TC_EXTRA = ({"block_n": 16, "block_kh": 64, "splits": 1}, {"block_n": 16, "block_kh": 128, "splits": 2})
+GEMV_SWEEP = {"gemv": (True,), "block_n": (32,), "block_kh": (64,), "splits": (4, 8), "fold": (True,)}  # runs 7-9
+# one K split: no split-sum launch (the kernel writes y); wide tiles keep enough bytes in flight
+GEMV_ONE = {"gemv": (True,), "block_n": (8, 16, 32), "block_kh": (128, 256), "splits": (1,), "num_warps": (4, 8)}
 ROTATE_BYTES = 320 << 20  # more than twice the H200's L2
 LOG: dict[str, object] = {}
 
@@ -116,10 +115,11 @@ def main() -> int:
             ref = x.float() @ w.float().T
             best = None
             configs = [dict(zip(sweep, v, strict=True)) for v in itertools.product(*sweep.values())]
+            configs += [] if args.smoke else list(TC_EXTRA)
             if m == 1:
-                gs = {"gemv": (True,), "block_n": (16,), "block_kh": (16,)} if args.smoke else GEMV_SWEEP
-                configs += [dict(zip(gs, v, strict=True)) for v in itertools.product(*gs.values())]
-                configs += [] if args.smoke else list(GEMV_EXTRA)
+                for gs in ([{"gemv": (True,), "block_n": (16,), "block_kh": (16,), "splits": (1, 2)}] if args.smoke
+                           else [GEMV_SWEEP, GEMV_ONE]):
+                    configs += [dict(zip(gs, v, strict=True)) for v in itertools.product(*gs.values())]
             for cfg in configs:
                 try:
                     y = rl.resident_linear(x, r, plan, **cfg)

@@ -122,29 +122,30 @@ def _write_escapes_kernel(key_ptr, val_ptr, slots_ptr, dec_ptr, cache_ptr, count
     h = tl.program_id(1)
     t, ok, slot, off, page = _tokens(slots_ptr, cache_ptr, T, h, page_bytes, num_kv_heads, B, TB)
     j = tl.arange(0, D // 8)
-    # Escapes in the rows before each token of its page. A row this call wrote sits at the same distance
-    # back in the call (a run): take its count. Rows of earlier calls: popcount their code planes.
+    # Escapes in the rows before each token of its page, [TB tokens, B rows] at once (no dependent loop). A row
+    # this call wrote sits at the same distance back in the call (a run): take its count from scratch. Rows of
+    # earlier calls: popcount their code planes (decode tokens, the first page of a chunk).
+    r = tl.arange(0, B)
+    back = off[:, None] - r[None, :]
+    before = ok[:, None] & (back > 0)
+    tp = t[:, None] - back
+    prev = tl.load(slots_ptr + tp, mask=before & (tp >= 0), other=-2)
+    in_call = before & (tp >= 0) & (prev == slot[:, None] - back)
+    old = (before & ~in_call)[:, :, None]
+    rows_k = page[:, None, None] + K_CODE + r[None, :, None] * (3 * D // 8) + j[None, None, :]
     base_k = tl.zeros([TB], tl.int32)
     base_v = tl.zeros([TB], tl.int32)
-    for r in range(0, B):
-        back = off - r
-        before = ok & (back > 0)
-        tp = t - back
-        prev = tl.load(slots_ptr + tp, mask=before & (tp >= 0), other=-2)
-        in_call = before & (tp >= 0) & (prev == slot - back)
-        old = (before & ~in_call)[:, None]
-        for kv in tl.static_range(2):
-            CO = K_CODE if kv == 0 else V_CODE
-            counted = tl.load(count_ptr + (tp * num_kv_heads + h) * 2 + kv, mask=in_call, other=0)
-            rows = page[:, None] + CO + r * (3 * D // 8) + j[None, :]
-            p0 = tl.load(rows, mask=old, other=0).to(tl.int32)
-            p1 = tl.load(rows + D // 8, mask=old, other=0).to(tl.int32)
-            p2 = tl.load(rows + 2 * (D // 8), mask=old, other=0).to(tl.int32)
-            n = counted + tl.sum(_popc8(p0 & p1 & p2), axis=1)
-            if kv == 0:
-                base_k += n
-            else:
-                base_v += n
+    for kv in tl.static_range(2):
+        counted = tl.load(count_ptr + (tp * num_kv_heads + h) * 2 + kv, mask=in_call, other=0)
+        rows = rows_k + (V_CODE - K_CODE) * kv
+        p0 = tl.load(rows, mask=old, other=0).to(tl.int32)
+        p1 = tl.load(rows + D // 8, mask=old, other=0).to(tl.int32)
+        p2 = tl.load(rows + 2 * (D // 8), mask=old, other=0).to(tl.int32)
+        n = tl.sum(counted, axis=1) + tl.sum(tl.sum(_popc8(p0 & p1 & p2), axis=2), axis=1)
+        if kv == 0:
+            base_k = n
+        else:
+            base_v = n
     n_over = 0
     for kv in tl.static_range(2):
         x_ptr = (key_ptr if kv == 0 else val_ptr) + h * stride_x1
@@ -184,9 +185,10 @@ class PageWriter:
         self.tokens_per_program = tokens_per_program  # a power of two; a token group shares the tables' loads
         self.num_warps = num_warps
 
-    def launch(self, cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Both kernels; returns (stats int32 [2]: escapes past the reserve for K, V; first_rank [T, H, 2])."""
+    def launch(self, cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
+               escapes: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both kernels (the first alone with escapes=False: a timing, pages incomplete); returns (stats int32 [2]:
+        escapes past the reserve for K, V; first_rank [T, H, 2])."""
         lay = self.layout
         T, H, D = key.shape
         if value.stride() != key.stride():
@@ -207,6 +209,8 @@ class PageWriter:
                                  lay.page_bytes, H, D=D, B=lay.block_size, TB=tb, K_SM=offs["K_SM"],
                                  V_SM=offs["V_SM"], K_CODE=offs["K_CODE"], V_CODE=offs["V_CODE"],
                                  num_warps=self.num_warps)
+        if not escapes:
+            return stats, first
         _write_escapes_kernel[grid](key, value, slots, self.dec, cache, counts, stats, first, T, key.stride(0),
                                     key.stride(1), lay.page_bytes, H, D=D, B=lay.block_size, TB=tb,
                                     K_CODE=offs["K_CODE"], V_CODE=offs["V_CODE"], K_ESC=offs["K_ESC"],

@@ -6,10 +6,9 @@ tensor cores, never writing W out in bf16: a decode-sized matmul (1-64 rows of x
 weight instead of bf16's 2. Even and odd columns are separate dots, so the nibbles of a byte are never
 interleaved: y = x[:, 0::2] @ W[:, 0::2].T + x[:, 1::2] @ W[:, 1::2].T, with sign/mantissa bytes read as
 16-bit pairs, decoded two at a time in one 32-bit word, and x read as 32-bit pairs. Escaped weights decode
-with offset 15 like the others. K is split so the grid fills the GPU; the last split of a row block to
-finish (an atomic counter a row block, reset by that program) sums the splits in a fixed order and adds
-(value - that) * x for each row's escapes (an `EscapePlan`, made once a weight): one launch, and the same
-inputs give the same bits on every run, whichever split finishes last.
+with offset 15 like the others. K is split so the grid fills the GPU; a second small kernel sums the
+splits in a fixed order and adds (value - that) * x for each row's escapes (an `EscapePlan`, made once a
+weight), so the same inputs give the same bits on every run.
 
 `resident_decode` writes W out in bf16 (bit for bit): the path for prefill-sized matmuls, where the
 GEMM is compute-bound and one decode before cuBLAS costs little.
@@ -29,7 +28,6 @@ from glyd_engine.format.resident import ESCAPE, ResidentWeight
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_ROWS = 64  # larger batches take resident_decode + the bf16 GEMM
 FUSED_ROWS = 16  # up to this many rows the fused kernel beats decode + GEMM on the H200 (docs/gpu.md)
-MIN_BLOCK_N = 16  # the plan's split counters are sized for row blocks this small
 
 
 @triton.jit
@@ -61,7 +59,7 @@ def _tile_pairs(sm_pairs, offs_ptr, rn, n_ok, kh, k_ok, KH, base):
 
 
 @triton.jit
-def _resident_linear_kernel(x_pairs, x_ptr, sm_pairs, offs_ptr, part_ptr, y_ptr, lock_ptr, rowptr_ptr, esc_col_ptr,
+def _resident_linear_kernel(x_pairs, x_ptr, sm_pairs, offs_ptr, part_ptr, y_ptr, rowptr_ptr, esc_col_ptr,
                             esc_corr_ptr, M, N, K, base, stride_xm, KH_SPLIT, SPLITS: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KH: tl.constexpr,
                             BLOCK_C: tl.constexpr, DOT_F32: tl.constexpr):
@@ -92,12 +90,17 @@ def _resident_linear_kernel(x_pairs, x_ptr, sm_pairs, offs_ptr, part_ptr, y_ptr,
         else:
             acc += tl.dot(x_even, tl.trans(w_even))
             acc += tl.dot(x_odd, tl.trans(w_odd))
-    _reduce_splits(acc, rm, m_ok, rn, n_ok, M, N, stride_xm, x_ptr, part_ptr, y_ptr, lock_ptr, rowptr_ptr,
-                   esc_col_ptr, esc_corr_ptr, SPLITS, True, BLOCK_C)
+    ok = m_ok[:, None] & n_ok[None, :]
+    if SPLITS == 1:  # no split to sum: correct the escapes and write y here, no second launch
+        acc = _add_corrections(acc, rn, n_ok, rm, m_ok, x_ptr, stride_xm, rowptr_ptr, esc_col_ptr, esc_corr_ptr,
+                               BLOCK_C)
+        tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(tl.bfloat16), mask=ok)
+    else:
+        tl.store(part_ptr + split * M * N + rm[:, None] * N + rn[None, :], acc, mask=ok)
 
 
 @triton.jit
-def _resident_gemv_kernel(x_pairs, x_ptr, sm_pairs, offs_ptr, part_ptr, y_ptr, lock_ptr, rowptr_ptr, esc_col_ptr,
+def _resident_gemv_kernel(x_pairs, x_ptr, sm_pairs, offs_ptr, part_ptr, y_ptr, rowptr_ptr, esc_col_ptr,
                           esc_corr_ptr, N, K, base, KH_SPLIT, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_KH: tl.constexpr, FOLD: tl.constexpr, BLOCK_C: tl.constexpr):
     """One row of x on the CUDA cores: bf16 -> fp32 is a 16-bit shift, products are exact in fp32, no
@@ -121,14 +124,16 @@ def _resident_gemv_kernel(x_pairs, x_ptr, sm_pairs, offs_ptr, part_ptr, y_ptr, l
         acc += (w << 16).to(tl.float32, bitcast=True) * x_even[None, :]
         acc += (w & -65536).to(tl.float32, bitcast=True) * x_odd[None, :]
     out = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
-    one = tl.arange(0, 1)
     if FOLD:  # noqa: SIM102 (FOLD is a compile-time constant, split is not)
         # the first split adds the escape corrections: their latency hides behind the other splits' loads
         if split == 0:
+            one = tl.arange(0, 1)
             out = _add_corrections(out, rn, n_ok, one, one < 1, x_ptr, 0, rowptr_ptr, esc_col_ptr, esc_corr_ptr,
                                    BLOCK_C)
-    _reduce_splits(out, one, one < 1, rn, n_ok, 1, N, 0, x_ptr, part_ptr, y_ptr, lock_ptr, rowptr_ptr, esc_col_ptr,
-                   esc_corr_ptr, SPLITS, not FOLD, BLOCK_C)
+    if SPLITS == 1 and FOLD:  # nothing left to sum or correct: write y here, no second launch
+        tl.store(y_ptr + rn[None, :], out.to(tl.bfloat16), mask=n_ok[None, :])
+    else:
+        tl.store(part_ptr + split * N + rn[None, :], out, mask=n_ok[None, :])
 
 
 @triton.jit
@@ -151,34 +156,22 @@ def _add_corrections(acc, rn, n_ok, rm, m_ok, x_ptr, stride_xm, rowptr_ptr, esc_
 
 
 @triton.jit
-def _reduce_splits(acc, rm, m_ok, rn, n_ok, M, N, stride_xm, x_ptr, part_ptr, y_ptr, lock_ptr, rowptr_ptr,
-                   esc_col_ptr, esc_corr_ptr, SPLITS: tl.constexpr, CORRECT: tl.constexpr, BLOCK_C: tl.constexpr):
-    """y[:, rows] = the K splits of acc [M, rows] summed in split order (+ the escape corrections if CORRECT).
-
-    Each split stores its part; the one that finds itself last on the row block's counter (acq_rel, after a
-    CTA barrier so every thread's store is ordered before it) sums all parts from L2 and resets the counter,
-    so a CUDA graph can replay the launch."""
+def _finish_kernel(part_ptr, y_ptr, x_ptr, rowptr_ptr, esc_col_ptr, esc_corr_ptr, M, N, stride_xm,
+                   SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                   CORRECT: tl.constexpr):
+    """y[:, rows] = the K splits summed in order (+ the escape corrections unless a split already added them)."""
+    rn = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rm = tl.arange(0, BLOCK_M)
+    n_ok = rn < N
+    m_ok = rm < M
     ok = m_ok[:, None] & n_ok[None, :]
-    if SPLITS == 1:
-        total = acc
-        if CORRECT:
-            total = _add_corrections(total, rn, n_ok, rm, m_ok, x_ptr, stride_xm, rowptr_ptr, esc_col_ptr,
-                                     esc_corr_ptr, BLOCK_C)
-        tl.store(y_ptr + rm[:, None] * N + rn[None, :], total.to(tl.bfloat16), mask=ok)
-    else:
-        parts = part_ptr + rm[:, None] * N + rn[None, :]
-        tl.store(parts + tl.program_id(1) * M * N, acc, mask=ok)
-        tl.debug_barrier()
-        lock = lock_ptr + tl.program_id(0)
-        if tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
-            total = tl.load(parts, mask=ok, other=0.0, cache_modifier=".cg")
-            for s in tl.static_range(1, SPLITS):
-                total += tl.load(parts + s * M * N, mask=ok, other=0.0, cache_modifier=".cg")
-            if CORRECT:
-                total = _add_corrections(total, rn, n_ok, rm, m_ok, x_ptr, stride_xm, rowptr_ptr, esc_col_ptr,
-                                         esc_corr_ptr, BLOCK_C)
-            tl.store(y_ptr + rm[:, None] * N + rn[None, :], total.to(tl.bfloat16), mask=ok)
-            tl.atomic_xchg(lock, 0)
+    acc = tl.load(part_ptr + rm[:, None] * N + rn[None, :], mask=ok, other=0.0)
+    for s in range(1, SPLITS):
+        acc += tl.load(part_ptr + s * M * N + rm[:, None] * N + rn[None, :], mask=ok, other=0.0)
+    if CORRECT:
+        acc = _add_corrections(acc, rn, n_ok, rm, m_ok, x_ptr, stride_xm, rowptr_ptr, esc_col_ptr, esc_corr_ptr,
+                               BLOCK_C)
+    tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(tl.bfloat16), mask=ok)
 
 
 @triton.jit
@@ -197,16 +190,10 @@ class EscapePlan:
     rowptr: torch.Tensor  # int32[N + 1]: row n's escapes are entries rowptr[n] .. rowptr[n + 1] - 1
     col: torch.Tensor  # int32[e]
     corr: torch.Tensor  # float32[e]: value - the pattern the tiles decode (exponent base - 15)
-    locks: torch.Tensor | None = None  # int32[ceil(N / 16)], zeros: the split counters, back at 0 after each call
-
-    def __post_init__(self) -> None:
-        if self.locks is None:
-            rows = self.rowptr.numel() - 1
-            self.locks = torch.zeros(-(-rows // MIN_BLOCK_N), dtype=torch.int32, device=self.rowptr.device)
 
     @property
     def nbytes(self) -> int:
-        return 4 * (self.rowptr.numel() + self.col.numel() + self.corr.numel() + self.locks.numel())
+        return 4 * (self.rowptr.numel() + self.col.numel() + self.corr.numel())
 
 
 def escape_plan(r: ResidentWeight) -> EscapePlan:
@@ -242,11 +229,11 @@ def resident_decode(r: ResidentWeight) -> torch.Tensor:
 
 def resident_linear(x: torch.Tensor, r: ResidentWeight, plan: EscapePlan, bias: torch.Tensor | None = None,
                     block_n: int | None = None, block_kh: int = 64, num_warps: int = 4, num_stages: int = 3,
-                    splits: int | None = None, block_c: int = 16, gemv: bool | None = None,
+                    splits: int | None = None, block_r: int = 16, block_c: int = 16, gemv: bool | None = None,
                     fold: bool | None = None) -> torch.Tensor:
     """y = x @ W.T (+ bias) for x [M, K] bf16, M <= MAX_ROWS; W decoded tile by tile on chip. `gemv` (default:
     when M is 1): one row of x runs on the CUDA cores instead of a tensor-core tile padded to 16 rows; `fold`
-    (default: with gemv) has the first K split add the escape corrections instead of the last one to finish. The
+    (default: with gemv) has the first K split add the escape corrections instead of the split-sum launch. The
     defaults are the best tiles of bench/gpu_linear.py on the H200 (docs/gpu.md)."""
     n_rows, cols = _check(r)
     if x.dim() != 2 or x.shape[1] != cols or x.dtype != torch.bfloat16:
@@ -257,8 +244,6 @@ def resident_linear(x: torch.Tensor, r: ResidentWeight, plan: EscapePlan, bias: 
     x = x.contiguous()
     gemv = m == 1 if gemv is None else gemv
     block_n = block_n or (32 if gemv and m == 1 else 64)
-    if block_n < MIN_BLOCK_N:
-        raise ValueError(f"block_n must be at least {MIN_BLOCK_N}, not {block_n}")
     n_blocks = triton.cdiv(n_rows, block_n)
     kh = cols // 2
     if splits is None:  # 8 was the best of 8/16/32 at every Qwen3-8B shape on the H200 (docs/gpu.md)
@@ -266,20 +251,26 @@ def resident_linear(x: torch.Tensor, r: ResidentWeight, plan: EscapePlan, bias: 
     splits = max(1, min(splits, triton.cdiv(kh, block_kh)))
     kh_split = triton.cdiv(triton.cdiv(kh, splits), block_kh) * block_kh
     splits = triton.cdiv(kh, kh_split)
-    part = torch.empty(splits if splits > 1 else 0, m, n_rows, dtype=torch.float32, device=x.device)
-    y = torch.empty(m, n_rows, dtype=torch.bfloat16, device=x.device)
     fold = (fold is None or fold) and gemv and m == 1
+    direct = splits == 1 and (fold or not (gemv and m == 1))  # the one split writes y itself
+    part = torch.empty(0 if direct else splits, m, n_rows, dtype=torch.float32, device=x.device)
+    y = torch.empty(m, n_rows, dtype=torch.bfloat16, device=x.device)
+    block_m = max(16, triton.next_power_of_2(m))
     if gemv and m == 1:
         _resident_gemv_kernel[(n_blocks, splits)](
-            x.view(torch.int32), x, r.sm.view(torch.int16), r.offs, part, y, plan.locks, plan.rowptr, plan.col,
-            plan.corr, n_rows, cols, r.base, kh_split, SPLITS=splits, BLOCK_N=block_n, BLOCK_KH=block_kh, FOLD=fold,
+            x.view(torch.int32), x, r.sm.view(torch.int16), r.offs, part, y, plan.rowptr, plan.col, plan.corr,
+            n_rows, cols, r.base, kh_split, SPLITS=splits, BLOCK_N=block_n, BLOCK_KH=block_kh, FOLD=fold,
             BLOCK_C=block_c, num_warps=num_warps, num_stages=num_stages)
     else:
         _resident_linear_kernel[(n_blocks, splits)](
-            x.view(torch.int32), x, r.sm.view(torch.int16), r.offs, part, y, plan.locks, plan.rowptr, plan.col,
-            plan.corr, m, n_rows, cols, r.base, x.stride(0), kh_split, SPLITS=splits,
-            BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_KH=block_kh, BLOCK_C=block_c,
-            DOT_F32=_INTERPRET, num_warps=num_warps, num_stages=num_stages)
+            x.view(torch.int32), x, r.sm.view(torch.int16), r.offs, part, y, plan.rowptr, plan.col, plan.corr, m,
+            n_rows, cols, r.base, x.stride(0), kh_split, SPLITS=splits, BLOCK_M=block_m, BLOCK_N=block_n,
+            BLOCK_KH=block_kh, BLOCK_C=block_c, DOT_F32=_INTERPRET, num_warps=num_warps, num_stages=num_stages)
+    if direct:
+        return y if bias is None else y + bias
+    _finish_kernel[(triton.cdiv(n_rows, block_r),)](part, y, x, plan.rowptr, plan.col, plan.corr, m, n_rows,
+                                                     x.stride(0), SPLITS=splits, BLOCK_M=block_m, BLOCK_R=block_r,
+                                                     BLOCK_C=block_c, CORRECT=not fold)
     return y if bias is None else y + bias
 
 

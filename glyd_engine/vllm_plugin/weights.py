@@ -59,7 +59,7 @@ def dense_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 @torch.library.custom_op("glyd::resident_linear", mutates_args=())
 def resident_linear(x: torch.Tensor, sm: torch.Tensor, offs: torch.Tensor, esc_pos: torch.Tensor,
                     esc_bits: torch.Tensor, plan_rowptr: torch.Tensor, plan_col: torch.Tensor,
-                    plan_corr: torch.Tensor, plan_locks: torch.Tensor, base: int, rows: int, cols: int,
+                    plan_corr: torch.Tensor, base: int, rows: int, cols: int,
                     bias: torch.Tensor | None) -> torch.Tensor:
     """x @ W.T (+ bias). CPU: torch decode + vLLM's GEMM (the bf16 model's bits). CUDA: the fused Triton
     kernel for up to FUSED_ROWS rows of x (faster than decode + GEMM there, docs/gpu.md), else the Triton
@@ -70,7 +70,7 @@ def resident_linear(x: torch.Tensor, sm: torch.Tensor, offs: torch.Tensor, esc_p
 
         flat = x.reshape(-1, cols)
         if flat.shape[0] <= kernel.FUSED_ROWS and plan_rowptr.numel() == rows + 1:
-            plan = kernel.EscapePlan(plan_rowptr, plan_col, plan_corr, plan_locks)
+            plan = kernel.EscapePlan(plan_rowptr, plan_col, plan_corr)
             return kernel.resident_linear(flat, r, plan, bias).reshape(*x.shape[:-1], rows)
         return dense_gemm(x, kernel.resident_decode(r), bias)
     return dense_gemm(x, resident.decode(r), bias)
@@ -78,16 +78,15 @@ def resident_linear(x: torch.Tensor, sm: torch.Tensor, offs: torch.Tensor, esc_p
 
 @resident_linear.register_fake
 def _(x: torch.Tensor, sm: torch.Tensor, offs: torch.Tensor, esc_pos: torch.Tensor, esc_bits: torch.Tensor,
-      plan_rowptr: torch.Tensor, plan_col: torch.Tensor, plan_corr: torch.Tensor, plan_locks: torch.Tensor, base: int,
-      rows: int, cols: int, bias: torch.Tensor | None) -> torch.Tensor:
+      plan_rowptr: torch.Tensor, plan_col: torch.Tensor, plan_corr: torch.Tensor, base: int, rows: int, cols: int,
+      bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], rows))
 
 
 def _apply(src: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     rows, cols = src.glyd_shape
     return resident_linear(x, src.glyd_sm, src.glyd_offs, src.glyd_esc_pos, src.glyd_esc_bits, src.glyd_plan_rowptr,
-                           src.glyd_plan_col, src.glyd_plan_corr, src.glyd_plan_locks, src.glyd_base, rows, cols,
-                           bias)
+                           src.glyd_plan_col, src.glyd_plan_corr, src.glyd_base, rows, cols, bias)
 
 
 # -- loading -------------------------------------------------------------------------------------------
@@ -176,14 +175,13 @@ def _install(layer: torch.nn.Module, r: resident.ResidentWeight, device: torch.d
     r = r.to(device)
     for name, t in zip(BUFFERS, (r.sm, r.offs, r.esc_pos, r.esc_bits), strict=True):
         layer.register_buffer(name, t, persistent=False)
-    none = torch.empty(0, dtype=torch.int32, device=device)
-    plan = (none, none, torch.empty(0, device=device), none)
-    if device.type == "cuda" and r.shape[1] % 2 == 0:  # the fused kernel's escape plan and counters, made once
+    plan = (torch.empty(0, dtype=torch.int32, device=device),) * 2 + (torch.empty(0, device=device),)
+    if device.type == "cuda" and r.shape[1] % 2 == 0:  # the fused kernel's escape plan, made once
         from kernels.resident_linear import escape_plan
 
         p = escape_plan(r)
-        plan = (p.rowptr, p.col, p.corr, p.locks)
-    for name, t in zip(("glyd_plan_rowptr", "glyd_plan_col", "glyd_plan_corr", "glyd_plan_locks"), plan, strict=True):
+        plan = (p.rowptr, p.col, p.corr)
+    for name, t in zip(("glyd_plan_rowptr", "glyd_plan_col", "glyd_plan_corr"), plan, strict=True):
         layer.register_buffer(name, t, persistent=False)
     layer.glyd_shape, layer.glyd_base = r.shape, r.base
     layer.glyd_bytes = r.nbytes + sum(t.numel() * t.element_size() for t in plan)
