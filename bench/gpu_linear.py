@@ -34,9 +34,11 @@ ROWS = (1, 8, 16, 64)
 PREFILL_ROWS = 512
 SWEEP = {"block_n": (32, 64), "block_kh": (64,), "num_stages": (3,), "splits": (4, 8)}  # around run 6's best
 TC_EXTRA = ({"block_n": 16, "block_kh": 64, "splits": 1}, {"block_n": 16, "block_kh": 128, "splits": 2})
-GEMV_SWEEP = {"gemv": (True,), "block_n": (32,), "block_kh": (64,), "splits": (4, 8), "fold": (True,)}  # runs 7-9
+GEMV_SWEEP = {"gemv": (True,), "block_n": (16, 32), "block_kh": (64, 128), "splits": (2, 4, 8), "fold": (True,),
+              "prefetch": (True, False)}  # around runs 7-11's best; prefetch: the next tile's loads in flight
 # one K split: no split-sum launch (the kernel writes y); wide tiles keep enough bytes in flight
-GEMV_ONE = {"gemv": (True,), "block_n": (8, 16, 32), "block_kh": (128, 256), "splits": (1,), "num_warps": (4, 8)}
+GEMV_ONE = {"gemv": (True,), "block_n": (16, 32), "block_kh": (128, 256), "splits": (1,), "num_warps": (4, 8),
+            "prefetch": (True, False)}
 ROTATE_BYTES = 320 << 20  # more than twice the H200's L2
 LOG: dict[str, object] = {}
 

@@ -9,8 +9,9 @@ its head's tables once:
    not depend on each other here.
 2. `_write_escapes_kernel`: once every code row of the call is in place, each token sums the escapes
    of its page's rows before it (rows this call wrote: the scratch counts; rows of earlier calls:
-   popcounts of plane0 & plane1 & plane2 bytes), adds its in-row prefix count, and stores its escape
-   exponents at those ranks in the page's escape area. Ranks at or past the reserve are not stored:
+   popcounts of plane0 & plane1 & plane2 bytes), adds its in-row prefix count (its flags read back from
+   its code planes, no table lookup), and stores its escape exponents at those ranks in the page's escape
+   area. Ranks at or past the reserve are not stored:
    they are counted (`stats[kv]`) and their row's first rank is kept.
 
 Escapes past the reserve (the overflow path: rare, the lossless path for adversarial prompts) are then
@@ -114,7 +115,7 @@ def _popc8(x):
 
 
 @triton.jit
-def _write_escapes_kernel(key_ptr, val_ptr, slots_ptr, dec_ptr, cache_ptr, count_ptr, stats_ptr, first_rank_ptr, T,
+def _write_escapes_kernel(key_ptr, val_ptr, slots_ptr, cache_ptr, count_ptr, stats_ptr, first_rank_ptr, T,
                           stride_x0, stride_x1, page_bytes, num_kv_heads,
                           D: tl.constexpr, B: tl.constexpr, TB: tl.constexpr, K_CODE: tl.constexpr,
                           V_CODE: tl.constexpr, K_ESC: tl.constexpr, V_ESC: tl.constexpr, K_RES: tl.constexpr,
@@ -124,36 +125,45 @@ def _write_escapes_kernel(key_ptr, val_ptr, slots_ptr, dec_ptr, cache_ptr, count
     j = tl.arange(0, D // 8)
     # Escapes in the rows before each token of its page, [TB tokens, B rows] at once (no dependent loop). A row
     # this call wrote sits at the same distance back in the call (a run): take its count from scratch. Rows of
-    # earlier calls: popcount their code planes (decode tokens, the first page of a chunk).
+    # earlier calls (decode tokens, the first page of a chunk): popcount their code planes, only where there are.
     r = tl.arange(0, B)
     back = off[:, None] - r[None, :]
     before = ok[:, None] & (back > 0)
     tp = t[:, None] - back
     prev = tl.load(slots_ptr + tp, mask=before & (tp >= 0), other=-2)
     in_call = before & (tp >= 0) & (prev == slot[:, None] - back)
-    old = (before & ~in_call)[:, :, None]
-    rows_k = page[:, None, None] + K_CODE + r[None, :, None] * (3 * D // 8) + j[None, None, :]
-    base_k = tl.zeros([TB], tl.int32)
-    base_v = tl.zeros([TB], tl.int32)
+    cnt = count_ptr + (tp * num_kv_heads + h) * 2
+    base_k = tl.sum(tl.load(cnt, mask=in_call, other=0), axis=1)
+    base_v = tl.sum(tl.load(cnt + 1, mask=in_call, other=0), axis=1)
+    old = before & ~in_call
+    if tl.sum(tl.sum(old.to(tl.int32), axis=1), axis=0) > 0:
+        rows_k = page[:, None, None] + K_CODE + r[None, :, None] * (3 * D // 8) + j[None, None, :]
+        for kv in tl.static_range(2):
+            rows = rows_k + (V_CODE - K_CODE) * kv
+            m3 = old[:, :, None]
+            p0 = tl.load(rows, mask=m3, other=0).to(tl.int32)
+            p1 = tl.load(rows + D // 8, mask=m3, other=0).to(tl.int32)
+            p2 = tl.load(rows + 2 * (D // 8), mask=m3, other=0).to(tl.int32)
+            n = tl.sum(tl.sum(_popc8(p0 & p1 & p2), axis=2), axis=1)
+            if kv == 0:
+                base_k += n
+            else:
+                base_v += n
+    b = tl.arange(0, 8)
+    d = tl.arange(0, D)
     for kv in tl.static_range(2):
-        counted = tl.load(count_ptr + (tp * num_kv_heads + h) * 2 + kv, mask=in_call, other=0)
-        rows = rows_k + (V_CODE - K_CODE) * kv
-        p0 = tl.load(rows, mask=old, other=0).to(tl.int32)
-        p1 = tl.load(rows + D // 8, mask=old, other=0).to(tl.int32)
-        p2 = tl.load(rows + 2 * (D // 8), mask=old, other=0).to(tl.int32)
-        n = tl.sum(counted, axis=1) + tl.sum(tl.sum(_popc8(p0 & p1 & p2), axis=2), axis=1)
-        if kv == 0:
-            base_k = n
-        else:
-            base_v = n
-    n_over = 0
-    for kv in tl.static_range(2):
-        x_ptr = (key_ptr if kv == 0 else val_ptr) + h * stride_x1
-        e, sm, code = _codes(x_ptr, t, ok, dec_ptr + (kv * num_kv_heads + h) * D * 7, stride_x0, D)
+        CO = K_CODE if kv == 0 else V_CODE
         ESC = K_ESC if kv == 0 else V_ESC
         RES = K_RES if kv == 0 else V_RES
         base = base_k if kv == 0 else base_v
-        flags = ((code == 7) & ok[:, None]).to(tl.int32)
+        # this row's escape flags from the code planes the first pass wrote (code 7: all three bits set)
+        row = page[:, None] + CO + off[:, None] * (3 * D // 8) + j[None, :]
+        f8 = (tl.load(row, mask=ok[:, None], other=0) & tl.load(row + D // 8, mask=ok[:, None], other=0)
+              & tl.load(row + 2 * (D // 8), mask=ok[:, None], other=0)).to(tl.int32)
+        flags = tl.reshape((f8[:, :, None] >> b[None, None, :]) & 1, (TB, D))
+        x = tl.load((key_ptr if kv == 0 else val_ptr) + h * stride_x1 + t.to(tl.int64)[:, None] * stride_x0
+                    + d[None, :], mask=ok[:, None], other=0)
+        e = (x.to(tl.int16, bitcast=True).to(tl.int32) >> 7) & 0xFF
         rank = base[:, None] + tl.cumsum(flags, axis=1) - flags
         is_esc = flags != 0
         tl.store(page[:, None] + ESC + rank, e.to(tl.uint8), mask=is_esc & (rank < RES))
@@ -211,7 +221,7 @@ class PageWriter:
                                  num_warps=self.num_warps)
         if not escapes:
             return stats, first
-        _write_escapes_kernel[grid](key, value, slots, self.dec, cache, counts, stats, first, T, key.stride(0),
+        _write_escapes_kernel[grid](key, value, slots, cache, counts, stats, first, T, key.stride(0),
                                     key.stride(1), lay.page_bytes, H, D=D, B=lay.block_size, TB=tb,
                                     K_CODE=offs["K_CODE"], V_CODE=offs["V_CODE"], K_ESC=offs["K_ESC"],
                                     V_ESC=offs["V_ESC"], K_RES=offs["K_RES"], V_RES=offs["V_RES"],

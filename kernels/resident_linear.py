@@ -49,12 +49,19 @@ def _pair_bits(pair, offs, base):
 
 
 @triton.jit
-def _tile_pairs(sm_pairs, offs_ptr, rn, n_ok, kh, k_ok, KH, base):
-    """The decoded pair words (int32) of W's tile [rows rn, column pairs kh]."""
+def _load_tile(sm_pairs, offs_ptr, rn, n_ok, kh, k_ok, KH):
+    """W's tile [rows rn, column pairs kh] as stored: sign/mantissa pairs and offset bytes (int32)."""
     w_ok = n_ok[:, None] & k_ok[None, :]
     pair = tl.load(sm_pairs + rn[:, None] * KH + kh[None, :], mask=w_ok, other=0).to(tl.int32)
     # padding lanes decode as escapes: a finite pattern, so 0 * it is 0 even when base is inf's exponent
     offs = tl.load(offs_ptr + rn[:, None] * KH + kh[None, :], mask=w_ok, other=0xFF).to(tl.int32)
+    return pair, offs
+
+
+@triton.jit
+def _tile_pairs(sm_pairs, offs_ptr, rn, n_ok, kh, k_ok, KH, base):
+    """The decoded pair words (int32) of W's tile [rows rn, column pairs kh]."""
+    pair, offs = _load_tile(sm_pairs, offs_ptr, rn, n_ok, kh, k_ok, KH)
     return _pair_bits(pair, offs, base)
 
 
@@ -102,9 +109,11 @@ def _resident_linear_kernel(x_pairs, x_ptr, sm_pairs, offs_ptr, part_ptr, y_ptr,
 @triton.jit
 def _resident_gemv_kernel(x_pairs, x_ptr, sm_pairs, offs_ptr, part_ptr, y_ptr, rowptr_ptr, esc_col_ptr,
                           esc_corr_ptr, N, K, base, KH_SPLIT, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_KH: tl.constexpr, FOLD: tl.constexpr, BLOCK_C: tl.constexpr):
+                          BLOCK_KH: tl.constexpr, FOLD: tl.constexpr, BLOCK_C: tl.constexpr,
+                          PREFETCH: tl.constexpr):
     """One row of x on the CUDA cores: bf16 -> fp32 is a 16-bit shift, products are exact in fp32, no
-    padding of the row to a 16-row tensor-core tile."""
+    padding of the row to a 16-row tensor-core tile. PREFETCH: the next tile's loads are issued before this
+    tile is decoded (Triton does not pipeline a loop with no dot), so twice the bytes are in flight."""
     n0 = tl.program_id(0) * BLOCK_N
     split = tl.program_id(1)
     rn = n0 + tl.arange(0, BLOCK_N)
@@ -114,10 +123,18 @@ def _resident_gemv_kernel(x_pairs, x_ptr, sm_pairs, offs_ptr, part_ptr, y_ptr, r
     acc = tl.zeros((BLOCK_N, BLOCK_KH), tl.float32)
     k_lo = split * KH_SPLIT
     k_hi = tl.minimum(k_lo + KH_SPLIT, KH)
+    if PREFETCH:
+        pair_n, offs_n = _load_tile(sm_pairs, offs_ptr, rn, n_ok, k_lo + rk, (k_lo + rk) < k_hi, KH)
     for kh0 in range(k_lo, k_hi, BLOCK_KH):
         kh = kh0 + rk
         k_ok = kh < k_hi
-        w = _tile_pairs(sm_pairs, offs_ptr, rn, n_ok, kh, k_ok, KH, base)
+        if PREFETCH:
+            pair, offs = pair_n, offs_n
+            kn = kh + BLOCK_KH
+            pair_n, offs_n = _load_tile(sm_pairs, offs_ptr, rn, n_ok, kn, kn < k_hi, KH)
+            w = _pair_bits(pair, offs, base)
+        else:
+            w = _tile_pairs(sm_pairs, offs_ptr, rn, n_ok, kh, k_ok, KH, base)
         xp = tl.load(x_pairs + kh, mask=k_ok, other=0)
         x_even = (xp << 16).to(tl.float32, bitcast=True)
         x_odd = (xp & -65536).to(tl.float32, bitcast=True)
@@ -230,7 +247,7 @@ def resident_decode(r: ResidentWeight) -> torch.Tensor:
 def resident_linear(x: torch.Tensor, r: ResidentWeight, plan: EscapePlan, bias: torch.Tensor | None = None,
                     block_n: int | None = None, block_kh: int = 64, num_warps: int = 4, num_stages: int = 3,
                     splits: int | None = None, block_r: int = 16, block_c: int = 16, gemv: bool | None = None,
-                    fold: bool | None = None) -> torch.Tensor:
+                    fold: bool | None = None, prefetch: bool = True) -> torch.Tensor:
     """y = x @ W.T (+ bias) for x [M, K] bf16, M <= MAX_ROWS; W decoded tile by tile on chip. `gemv` (default:
     when M is 1): one row of x runs on the CUDA cores instead of a tensor-core tile padded to 16 rows; `fold`
     (default: with gemv) has the first K split add the escape corrections instead of the split-sum launch. The
@@ -260,7 +277,7 @@ def resident_linear(x: torch.Tensor, r: ResidentWeight, plan: EscapePlan, bias: 
         _resident_gemv_kernel[(n_blocks, splits)](
             x.view(torch.int32), x, r.sm.view(torch.int16), r.offs, part, y, plan.rowptr, plan.col, plan.corr,
             n_rows, cols, r.base, kh_split, SPLITS=splits, BLOCK_N=block_n, BLOCK_KH=block_kh, FOLD=fold,
-            BLOCK_C=block_c, num_warps=num_warps, num_stages=num_stages)
+            BLOCK_C=block_c, PREFETCH=prefetch, num_warps=num_warps, num_stages=num_stages)
     else:
         _resident_linear_kernel[(n_blocks, splits)](
             x.view(torch.int32), x, r.sm.view(torch.int16), r.offs, part, y, plan.rowptr, plan.col, plan.corr, m,

@@ -52,11 +52,10 @@ def test_fused_matmul_matches_fp32_reference(m, n, k, block_n, block_kh, p_outli
     one = rl.resident_linear(x, r, rl.escape_plan(r), bias, block_n=block_n, block_kh=block_kh, gemv=False, splits=1)
     torch.testing.assert_close(one.float(), ref, rtol=2e-2, atol=2e-2)  # one K split: y written by the split
     if m == 1:  # the CUDA-core kernel for one row, escapes corrected in the split-sum launch or the first split
-        for fold in (False, True):
-            for splits in (1, 2):
-                gemv = rl.resident_linear(x, r, rl.escape_plan(r), bias, block_n=block_n, block_kh=block_kh,
-                                          gemv=True, fold=fold, splits=splits)
-                torch.testing.assert_close(gemv.float(), ref, rtol=2e-2, atol=2e-2)
+        for fold, splits, prefetch in ((False, 1, True), (False, 2, False), (True, 1, False), (True, 2, True)):
+            gemv = rl.resident_linear(x, r, rl.escape_plan(r), bias, block_n=block_n, block_kh=block_kh,
+                                      gemv=True, fold=fold, splits=splits, prefetch=prefetch)
+            torch.testing.assert_close(gemv.float(), ref, rtol=2e-2, atol=2e-2)
 
 
 def test_output_is_written_everywhere_and_an_infinity_stays_in_its_column(monkeypatch):
