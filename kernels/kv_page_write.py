@@ -183,7 +183,7 @@ class PageWriter:
     """Write path of one layer: decode table uint8 [2, H, D, 7] on the cache's device, and scratch."""
 
     def __init__(self, layout: KVPageLayout, decode_table: torch.Tensor, tokens_per_program: int = 16,
-                 num_warps: int = 4) -> None:
+                 num_warps: int = 4, escape_tokens_per_program: int = 4, escape_num_warps: int = 1) -> None:
         if layout.head_size & (layout.head_size - 1) or layout.head_size < 8:
             raise ValueError(f"the Triton page writer needs a power-of-two head size, not {layout.head_size}")
         if layout.block_size & (layout.block_size - 1):
@@ -192,8 +192,9 @@ class PageWriter:
         self.dec = decode_table.contiguous()
         self.enc = encode_table(decode_table.cpu()).to(decode_table.device)
         self.counters = WriteCounters()
-        self.tokens_per_program = tokens_per_program  # a power of two; a token group shares the tables' loads
-        self.num_warps = num_warps
+        # powers of two; the defaults are the H200's best (docs/gpu.md): a token group shares the tables' loads
+        self.tokens_per_program, self.num_warps = tokens_per_program, num_warps
+        self.escape_tokens_per_program, self.escape_num_warps = escape_tokens_per_program, escape_num_warps
 
     def launch(self, cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
                escapes: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -213,7 +214,7 @@ class PageWriter:
         slots = slots.to(torch.int64).contiguous()
         counts = torch.empty(T, H, 2, dtype=torch.int32, device=cache.device)
         offs = _offsets(lay)
-        tb = self.tokens_per_program
+        tb, etb = self.tokens_per_program, self.escape_tokens_per_program
         grid = (triton.cdiv(T, tb), H)
         _write_rows_kernel[grid](key, value, slots, self.dec, cache, counts, T, key.stride(0), key.stride(1),
                                  lay.page_bytes, H, D=D, B=lay.block_size, TB=tb, K_SM=offs["K_SM"],
@@ -221,11 +222,11 @@ class PageWriter:
                                  num_warps=self.num_warps)
         if not escapes:
             return stats, first
-        _write_escapes_kernel[grid](key, value, slots, cache, counts, stats, first, T, key.stride(0),
-                                    key.stride(1), lay.page_bytes, H, D=D, B=lay.block_size, TB=tb,
+        _write_escapes_kernel[(triton.cdiv(T, etb), H)](key, value, slots, cache, counts, stats, first, T,
+                                    key.stride(0), key.stride(1), lay.page_bytes, H, D=D, B=lay.block_size, TB=etb,
                                     K_CODE=offs["K_CODE"], V_CODE=offs["V_CODE"], K_ESC=offs["K_ESC"],
                                     V_ESC=offs["V_ESC"], K_RES=offs["K_RES"], V_RES=offs["V_RES"],
-                                    num_warps=self.num_warps)
+                                    num_warps=self.escape_num_warps)
         self.counters.calls += 1
         self.counters.values += 2 * key.numel()
         return stats, first

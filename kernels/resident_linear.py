@@ -125,6 +125,14 @@ def _resident_gemv_kernel(x_pairs, x_ptr, sm_pairs, offs_ptr, part_ptr, y_ptr, r
     k_hi = tl.minimum(k_lo + KH_SPLIT, KH)
     if PREFETCH:
         pair_n, offs_n = _load_tile(sm_pairs, offs_ptr, rn, n_ok, k_lo + rk, (k_lo + rk) < k_hi, KH)
+    one = tl.arange(0, 1)
+    fix = tl.zeros((1, BLOCK_N), tl.float32)
+    if FOLD:  # noqa: SIM102 (FOLD is a compile-time constant, split is not)
+        # the first split adds the escape corrections, before its loop: their chain of loads runs while the
+        # first tile and the other splits' tiles load, not after them
+        if split == 0:
+            fix = _add_corrections(fix, rn, n_ok, one, one < 1, x_ptr, 0, rowptr_ptr, esc_col_ptr, esc_corr_ptr,
+                                   BLOCK_C)
     for kh0 in range(k_lo, k_hi, BLOCK_KH):
         kh = kh0 + rk
         k_ok = kh < k_hi
@@ -140,13 +148,7 @@ def _resident_gemv_kernel(x_pairs, x_ptr, sm_pairs, offs_ptr, part_ptr, y_ptr, r
         x_odd = (xp & -65536).to(tl.float32, bitcast=True)
         acc += (w << 16).to(tl.float32, bitcast=True) * x_even[None, :]
         acc += (w & -65536).to(tl.float32, bitcast=True) * x_odd[None, :]
-    out = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
-    if FOLD:  # noqa: SIM102 (FOLD is a compile-time constant, split is not)
-        # the first split adds the escape corrections: their latency hides behind the other splits' loads
-        if split == 0:
-            one = tl.arange(0, 1)
-            out = _add_corrections(out, rn, n_ok, one, one < 1, x_ptr, 0, rowptr_ptr, esc_col_ptr, esc_corr_ptr,
-                                   BLOCK_C)
+    out = tl.sum(acc, axis=1)[None, :] + fix  # [1, BLOCK_N]
     if SPLITS == 1 and FOLD:  # nothing left to sum or correct: write y here, no second launch
         tl.store(y_ptr + rn[None, :], out.to(tl.bfloat16), mask=n_ok[None, :])
     else:
