@@ -84,22 +84,14 @@ def _tokens(slots_ptr, cache_ptr, T, h, page_bytes, num_kv_heads, B: tl.constexp
 
 
 @triton.jit
-def _write_rows_kernel(key_ptr, val_ptr, slots_ptr, dec_ptr, cache_ptr, count_ptr, stats_ptr, first_rank_ptr, T,
-                       stride_x0, stride_x1, page_bytes, num_kv_heads, D: tl.constexpr, B: tl.constexpr,
-                       TB: tl.constexpr, K_SM: tl.constexpr, V_SM: tl.constexpr, K_CODE: tl.constexpr,
-                       V_CODE: tl.constexpr, K_ESC: tl.constexpr, V_ESC: tl.constexpr, K_RES: tl.constexpr,
-                       V_RES: tl.constexpr):
+def _write_rows_kernel(key_ptr, val_ptr, slots_ptr, dec_ptr, cache_ptr, count_ptr, T, stride_x0, stride_x1,
+                       page_bytes, num_kv_heads, D: tl.constexpr, B: tl.constexpr, TB: tl.constexpr,
+                       K_SM: tl.constexpr, V_SM: tl.constexpr, K_CODE: tl.constexpr, V_CODE: tl.constexpr):
     h = tl.program_id(1)
     t, ok, slot, off, page = _tokens(slots_ptr, cache_ptr, T, h, page_bytes, num_kv_heads, B, TB)
     d = tl.arange(0, D)
     j = tl.arange(0, D // 8)
     b = tl.arange(0, 8)
-    # Tokens whose earlier rows of the page are all this program's (a run from the page's first row inside
-    # the group; every token of a page-aligned prefill run) place their escapes here: no second pass for them.
-    dist = t[:, None] - t[None, :]
-    mine = ok[:, None] & ok[None, :] & (dist > 0) & (dist <= off[:, None]) & (slot[None, :] == slot[:, None] - dist)
-    here = ok & (tl.sum(mine.to(tl.int32), axis=1) == off)
-    scratch = count_ptr + (t * num_kv_heads + h) * 3
     for kv in tl.static_range(2):
         x_ptr = (key_ptr if kv == 0 else val_ptr) + h * stride_x1
         e, sm, code = _codes(x_ptr, t, ok, dec_ptr + (kv * num_kv_heads + h) * D * 7, stride_x0, D)
@@ -111,28 +103,8 @@ def _write_rows_kernel(key_ptr, val_ptr, slots_ptr, dec_ptr, cache_ptr, count_pt
         for p in tl.static_range(3):
             byte = tl.sum(((c3 >> p) & 1) << b[None, None, :], axis=2)
             tl.store(row + p * (D // 8), byte.to(tl.uint8), mask=ok[:, None])
-        flags = (code == 7).to(tl.int32)
-        n = tl.sum(flags, axis=1)
         # this row's escape count, so the escape pass need not re-count rows written by this call
-        tl.store(scratch + kv, n, mask=ok)
-        base = tl.sum(tl.where(mine, n[None, :], 0), axis=1)
-        _place_escapes(page, K_ESC if kv == 0 else V_ESC, K_RES if kv == 0 else V_RES, base,
-                       flags * here[:, None].to(tl.int32), e, here,
-                       first_rank_ptr + (t * num_kv_heads + h) * 2 + kv, stats_ptr + kv)
-    tl.store(scratch + 2, here.to(tl.int32), mask=ok)  # done: the escape pass skips these tokens
-
-
-@triton.jit
-def _place_escapes(page, ESC: tl.constexpr, RES: tl.constexpr, base, flags, e, rows_ok, first_ptr, stats_ptr):
-    """Store token rows' escapes (flags int32 [TB, D], 0 outside rows_ok) at ranks base + the in-row prefix
-    count; ranks past the reserve are counted in stats (the torch overflow path writes them)."""
-    rank = base[:, None] + tl.cumsum(flags, axis=1) - flags
-    is_esc = flags != 0
-    tl.store(page[:, None] + ESC + rank, e.to(tl.uint8), mask=is_esc & (rank < RES))
-    n_over = tl.sum(tl.sum((is_esc & (rank >= RES)).to(tl.int32), axis=1), axis=0)
-    tl.store(first_ptr, base, mask=rows_ok)
-    if n_over > 0:
-        tl.atomic_add(stats_ptr, n_over)
+        tl.store(count_ptr + (t * num_kv_heads + h) * 2 + kv, tl.sum((code == 7).to(tl.int32), axis=1), mask=ok)
 
 
 @triton.jit
@@ -147,20 +119,9 @@ def _write_escapes_kernel(key_ptr, val_ptr, slots_ptr, cache_ptr, count_ptr, sta
                           stride_x0, stride_x1, page_bytes, num_kv_heads,
                           D: tl.constexpr, B: tl.constexpr, TB: tl.constexpr, K_CODE: tl.constexpr,
                           V_CODE: tl.constexpr, K_ESC: tl.constexpr, V_ESC: tl.constexpr, K_RES: tl.constexpr,
-                          V_RES: tl.constexpr):
+                          V_RES: tl.constexpr, BYTE_RANK: tl.constexpr):
     h = tl.program_id(1)
     t, ok, slot, off, page = _tokens(slots_ptr, cache_ptr, T, h, page_bytes, num_kv_heads, B, TB)
-    ok = ok & (tl.load(count_ptr + (t * num_kv_heads + h) * 3 + 2, mask=ok, other=1) == 0)  # not done by pass 1
-    if tl.sum(ok.to(tl.int32), axis=0) > 0:
-        _escapes_rest(key_ptr, val_ptr, slots_ptr, count_ptr, stats_ptr, first_rank_ptr, stride_x0, stride_x1,
-                      num_kv_heads, h, t, ok, slot, off, page, D, B, TB, K_CODE, V_CODE, K_ESC, V_ESC, K_RES, V_RES)
-
-
-@triton.jit
-def _escapes_rest(key_ptr, val_ptr, slots_ptr, count_ptr, stats_ptr, first_rank_ptr, stride_x0, stride_x1,
-                  num_kv_heads, h, t, ok, slot, off, page, D: tl.constexpr, B: tl.constexpr, TB: tl.constexpr,
-                  K_CODE: tl.constexpr, V_CODE: tl.constexpr, K_ESC: tl.constexpr, V_ESC: tl.constexpr,
-                  K_RES: tl.constexpr, V_RES: tl.constexpr):
     j = tl.arange(0, D // 8)
     # Escapes in the rows before each token of its page, [TB tokens, B rows] at once (no dependent loop). A row
     # this call wrote sits at the same distance back in the call (a run): take its count from scratch. Rows of
@@ -171,7 +132,7 @@ def _escapes_rest(key_ptr, val_ptr, slots_ptr, count_ptr, stats_ptr, first_rank_
     tp = t[:, None] - back
     prev = tl.load(slots_ptr + tp, mask=before & (tp >= 0), other=-2)
     in_call = before & (tp >= 0) & (prev == slot[:, None] - back)
-    cnt = count_ptr + (tp * num_kv_heads + h) * 3
+    cnt = count_ptr + (tp * num_kv_heads + h) * 2
     base_k = tl.sum(tl.load(cnt, mask=in_call, other=0), axis=1)
     base_v = tl.sum(tl.load(cnt + 1, mask=in_call, other=0), axis=1)
     old = before & ~in_call
@@ -203,12 +164,18 @@ def _escapes_rest(key_ptr, val_ptr, slots_ptr, count_ptr, stats_ptr, first_rank_
         x = tl.load((key_ptr if kv == 0 else val_ptr) + h * stride_x1 + t.to(tl.int64)[:, None] * stride_x0
                     + d[None, :], mask=ok[:, None], other=0)
         e = (x.to(tl.int16, bitcast=True).to(tl.int32) >> 7) & 0xFF
-        _place_escapes(page, ESC, RES, base, flags, e, ok, first_rank_ptr + (t * num_kv_heads + h) * 2 + kv,
-                       stats_ptr + kv)
-
-
-def _without_sm(offs: dict[str, int]) -> dict[str, int]:
-    return {k: v for k, v in offs.items() if not k.endswith("_SM")}
+        if BYTE_RANK:  # prefix of byte popcounts (D/8 wide) + the bits below the value in its own byte
+            pc = _popc8(f8)
+            low = _popc8(f8[:, :, None] & ((1 << b[None, None, :]) - 1))
+            rank = tl.reshape(base[:, None, None] + (tl.cumsum(pc, axis=1) - pc)[:, :, None] + low, (TB, D))
+        else:  # a scan over the row's D flags
+            rank = base[:, None] + tl.cumsum(flags, axis=1) - flags
+        is_esc = flags != 0
+        tl.store(page[:, None] + ESC + rank, e.to(tl.uint8), mask=is_esc & (rank < RES))
+        n_over = tl.sum(tl.sum((is_esc & (rank >= RES)).to(tl.int32), axis=1), axis=0)
+        tl.store(first_rank_ptr + (t * num_kv_heads + h) * 2 + kv, base, mask=ok)
+        if n_over > 0:
+            tl.atomic_add(stats_ptr + kv, n_over)
 
 
 def _offsets(layout: KVPageLayout) -> dict[str, int]:
@@ -221,7 +188,8 @@ class PageWriter:
     """Write path of one layer: decode table uint8 [2, H, D, 7] on the cache's device, and scratch."""
 
     def __init__(self, layout: KVPageLayout, decode_table: torch.Tensor, tokens_per_program: int = 16,
-                 num_warps: int = 4, escape_tokens_per_program: int = 4, escape_num_warps: int = 1) -> None:
+                 num_warps: int = 4, escape_tokens_per_program: int = 4, escape_num_warps: int = 1,
+                 byte_rank: bool = False) -> None:
         if layout.head_size & (layout.head_size - 1) or layout.head_size < 8:
             raise ValueError(f"the Triton page writer needs a power-of-two head size, not {layout.head_size}")
         if layout.block_size & (layout.block_size - 1):
@@ -233,6 +201,7 @@ class PageWriter:
         # powers of two; the defaults are the H200's best (docs/gpu.md): a token group shares the tables' loads
         self.tokens_per_program, self.num_warps = tokens_per_program, num_warps
         self.escape_tokens_per_program, self.escape_num_warps = escape_tokens_per_program, escape_num_warps
+        self.byte_rank = byte_rank  # in-row escape rank from byte popcounts instead of a scan over D flags
 
     def launch(self, cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
                escapes: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -250,19 +219,21 @@ class PageWriter:
         if key.stride(2) != 1:
             key, value = key.contiguous(), value.contiguous()
         slots = slots.to(torch.int64).contiguous()
-        counts = torch.empty(T, H, 3, dtype=torch.int32, device=cache.device)  # K, V escapes of the row; done
+        counts = torch.empty(T, H, 2, dtype=torch.int32, device=cache.device)
         offs = _offsets(lay)
         tb, etb = self.tokens_per_program, self.escape_tokens_per_program
         grid = (triton.cdiv(T, tb), H)
-        _write_rows_kernel[grid](key, value, slots, self.dec, cache, counts, stats, first, T, key.stride(0),
-                                 key.stride(1), lay.page_bytes, H, D=D, B=lay.block_size, TB=tb, **offs,
+        _write_rows_kernel[grid](key, value, slots, self.dec, cache, counts, T, key.stride(0), key.stride(1),
+                                 lay.page_bytes, H, D=D, B=lay.block_size, TB=tb, K_SM=offs["K_SM"],
+                                 V_SM=offs["V_SM"], K_CODE=offs["K_CODE"], V_CODE=offs["V_CODE"],
                                  num_warps=self.num_warps)
         if not escapes:
             return stats, first
         _write_escapes_kernel[(triton.cdiv(T, etb), H)](key, value, slots, cache, counts, stats, first, T,
-                                                        key.stride(0), key.stride(1), lay.page_bytes, H, D=D,
-                                                        B=lay.block_size, TB=etb, **_without_sm(offs),
-                                                        num_warps=self.escape_num_warps)
+                                    key.stride(0), key.stride(1), lay.page_bytes, H, D=D, B=lay.block_size, TB=etb,
+                                    K_CODE=offs["K_CODE"], V_CODE=offs["V_CODE"], K_ESC=offs["K_ESC"],
+                                    V_ESC=offs["V_ESC"], K_RES=offs["K_RES"], V_RES=offs["V_RES"],
+                                    BYTE_RANK=self.byte_rank, num_warps=self.escape_num_warps)
         self.counters.calls += 1
         self.counters.values += 2 * key.numel()
         return stats, first

@@ -246,14 +246,28 @@ def resident_decode(r: ResidentWeight) -> torch.Tensor:
     return out
 
 
+TENSOR_CORE_CONFIG = {"block_n": 64, "block_kh": 64, "splits": 8, "num_warps": 4}  # 8-64 rows, runs 6-14
+
+
+def gemv_config(n_rows: int, cols: int) -> dict[str, int]:
+    """Tiles of the one-row kernel by weight shape: the H200's best of bench/gpu_linear.py (run 14, docs/gpu.md) at
+    Qwen3-8B's shapes. One K split (the kernel writes y, no second launch) unless K is long."""
+    if cols >= 8192:  # down_proj
+        return {"block_n": 16, "block_kh": 128, "splits": 2, "num_warps": 4}
+    if n_rows <= 4096:  # o_proj
+        return {"block_n": 16, "block_kh": 256, "splits": 1, "num_warps": 8}
+    return {"block_n": 16, "block_kh": 128, "splits": 1, "num_warps": 4}  # qkv_proj, gate_up_proj
+
+
 def resident_linear(x: torch.Tensor, r: ResidentWeight, plan: EscapePlan, bias: torch.Tensor | None = None,
-                    block_n: int | None = None, block_kh: int = 64, num_warps: int = 4, num_stages: int = 3,
+                    block_n: int | None = None, block_kh: int | None = None, num_warps: int | None = None,
+                    num_stages: int = 3,
                     splits: int | None = None, block_r: int = 16, block_c: int = 16, gemv: bool | None = None,
                     fold: bool | None = None, prefetch: bool = True) -> torch.Tensor:
     """y = x @ W.T (+ bias) for x [M, K] bf16, M <= MAX_ROWS; W decoded tile by tile on chip. `gemv` (default:
     when M is 1): one row of x runs on the CUDA cores instead of a tensor-core tile padded to 16 rows; `fold`
-    (default: with gemv) has the first K split add the escape corrections instead of the split-sum launch. The
-    defaults are the best tiles of bench/gpu_linear.py on the H200 (docs/gpu.md)."""
+    (default: with gemv) has the first K split add the escape corrections instead of the split-sum launch. Tiles
+    left None take the H200's best of bench/gpu_linear.py (`gemv_config`; tensor cores: TENSOR_CORE_CONFIG)."""
     n_rows, cols = _check(r)
     if x.dim() != 2 or x.shape[1] != cols or x.dtype != torch.bfloat16:
         raise ValueError(f"x must be bf16 [M, {cols}], not {x.dtype} {tuple(x.shape)}")
@@ -262,11 +276,11 @@ def resident_linear(x: torch.Tensor, r: ResidentWeight, plan: EscapePlan, bias: 
         raise ValueError(f"{m} rows: the fused kernel takes up to {MAX_ROWS}; decode once and use the bf16 GEMM")
     x = x.contiguous()
     gemv = m == 1 if gemv is None else gemv
-    block_n = block_n or (32 if gemv and m == 1 else 64)
+    tuned = gemv_config(n_rows, cols) if gemv and m == 1 else TENSOR_CORE_CONFIG
+    block_n, block_kh = block_n or tuned["block_n"], block_kh or tuned["block_kh"]
+    splits, num_warps = splits or tuned["splits"], num_warps or tuned["num_warps"]
     n_blocks = triton.cdiv(n_rows, block_n)
     kh = cols // 2
-    if splits is None:  # 8 was the best of 8/16/32 at every Qwen3-8B shape on the H200 (docs/gpu.md)
-        splits = 8
     splits = max(1, min(splits, triton.cdiv(kh, block_kh)))
     kh_split = triton.cdiv(triton.cdiv(kh, splits), block_kh) * block_kh
     splits = triton.cdiv(kh, kh_split)
