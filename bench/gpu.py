@@ -491,12 +491,10 @@ def main() -> None:  # noqa: C901, PLR0915
         for tb, warps in ((8, 2), (16, 4), (32, 4)):  # first pass alone
             w = PageWriter(lay, dec_dev, tokens_per_program=tb, num_warps=warps)
             rows_only[f"tb{tb}w{warps}"] = bench_fn(lambda w=w: w.launch(wc, k, v, slots, escapes=False), False)
-        for tb, warps, etb, ewarps, br in ((16, 4, 4, 1, False), (16, 4, 4, 1, True), (16, 4, 2, 1, True),
-                                           (16, 4, 8, 2, True), (8, 2, 4, 1, True), (16, 4, 8, 1, True)):
-            cfg = dict(tokens_per_program=tb, num_warps=warps, escape_tokens_per_program=etb, escape_num_warps=ewarps,
-                       byte_rank=br)
+        for tb, warps, etb, ewarps in ((16, 4, 4, 1), (16, 4, 2, 1), (16, 4, 8, 2), (8, 2, 4, 1), (32, 4, 4, 1)):
+            cfg = dict(tokens_per_program=tb, num_warps=warps, escape_tokens_per_program=etb, escape_num_warps=ewarps)
             w = PageWriter(lay, dec_dev, **cfg)
-            name = f"tb{tb}w{warps}-e{etb}w{ewarps}" + ("-bytes" if br else "")
+            name = f"tb{tb}w{warps}-e{etb}w{ewarps}"
             cfgs[name] = cfg
             sweep[name] = bench_fn(lambda w=w: w.launch(wc, k, v, slots), False)
         best_w = min(sweep, key=sweep.get)

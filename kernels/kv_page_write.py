@@ -11,8 +11,8 @@ its head's tables once:
    of its page's rows before it (rows this call wrote: the scratch counts; rows of earlier calls:
    popcounts of plane0 & plane1 & plane2 bytes), adds its in-row prefix count (its flags read back from
    its code planes, no table lookup), and stores its escape exponents at those ranks in the page's escape
-   area. Ranks at or past the reserve are not stored:
-   they are counted (`stats[kv]`) and their row's first rank is kept.
+   area. Ranks at or past the reserve are not stored: they are counted (`stats[kv]`) and their row's first
+   rank is kept.
 
 Escapes past the reserve (the overflow path: rare, the lossless path for adversarial prompts) are then
 written by torch in `write_pages` into a `DeviceOverflowStore` (OverflowStore whose arena lives on the
@@ -119,7 +119,7 @@ def _write_escapes_kernel(key_ptr, val_ptr, slots_ptr, cache_ptr, count_ptr, sta
                           stride_x0, stride_x1, page_bytes, num_kv_heads,
                           D: tl.constexpr, B: tl.constexpr, TB: tl.constexpr, K_CODE: tl.constexpr,
                           V_CODE: tl.constexpr, K_ESC: tl.constexpr, V_ESC: tl.constexpr, K_RES: tl.constexpr,
-                          V_RES: tl.constexpr, BYTE_RANK: tl.constexpr):
+                          V_RES: tl.constexpr):
     h = tl.program_id(1)
     t, ok, slot, off, page = _tokens(slots_ptr, cache_ptr, T, h, page_bytes, num_kv_heads, B, TB)
     j = tl.arange(0, D // 8)
@@ -164,12 +164,7 @@ def _write_escapes_kernel(key_ptr, val_ptr, slots_ptr, cache_ptr, count_ptr, sta
         x = tl.load((key_ptr if kv == 0 else val_ptr) + h * stride_x1 + t.to(tl.int64)[:, None] * stride_x0
                     + d[None, :], mask=ok[:, None], other=0)
         e = (x.to(tl.int16, bitcast=True).to(tl.int32) >> 7) & 0xFF
-        if BYTE_RANK:  # prefix of byte popcounts (D/8 wide) + the bits below the value in its own byte
-            pc = _popc8(f8)
-            low = _popc8(f8[:, :, None] & ((1 << b[None, None, :]) - 1))
-            rank = tl.reshape(base[:, None, None] + (tl.cumsum(pc, axis=1) - pc)[:, :, None] + low, (TB, D))
-        else:  # a scan over the row's D flags
-            rank = base[:, None] + tl.cumsum(flags, axis=1) - flags
+        rank = base[:, None] + tl.cumsum(flags, axis=1) - flags  # (byte popcounts instead: no faster, run 15)
         is_esc = flags != 0
         tl.store(page[:, None] + ESC + rank, e.to(tl.uint8), mask=is_esc & (rank < RES))
         n_over = tl.sum(tl.sum((is_esc & (rank >= RES)).to(tl.int32), axis=1), axis=0)
@@ -188,8 +183,7 @@ class PageWriter:
     """Write path of one layer: decode table uint8 [2, H, D, 7] on the cache's device, and scratch."""
 
     def __init__(self, layout: KVPageLayout, decode_table: torch.Tensor, tokens_per_program: int = 16,
-                 num_warps: int = 4, escape_tokens_per_program: int = 4, escape_num_warps: int = 1,
-                 byte_rank: bool = False) -> None:
+                 num_warps: int = 4, escape_tokens_per_program: int = 4, escape_num_warps: int = 1) -> None:
         if layout.head_size & (layout.head_size - 1) or layout.head_size < 8:
             raise ValueError(f"the Triton page writer needs a power-of-two head size, not {layout.head_size}")
         if layout.block_size & (layout.block_size - 1):
@@ -201,7 +195,6 @@ class PageWriter:
         # powers of two; the defaults are the H200's best (docs/gpu.md): a token group shares the tables' loads
         self.tokens_per_program, self.num_warps = tokens_per_program, num_warps
         self.escape_tokens_per_program, self.escape_num_warps = escape_tokens_per_program, escape_num_warps
-        self.byte_rank = byte_rank  # in-row escape rank from byte popcounts instead of a scan over D flags
 
     def launch(self, cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
                escapes: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -233,7 +226,7 @@ class PageWriter:
                                     key.stride(0), key.stride(1), lay.page_bytes, H, D=D, B=lay.block_size, TB=etb,
                                     K_CODE=offs["K_CODE"], V_CODE=offs["V_CODE"], K_ESC=offs["K_ESC"],
                                     V_ESC=offs["V_ESC"], K_RES=offs["K_RES"], V_RES=offs["V_RES"],
-                                    BYTE_RANK=self.byte_rank, num_warps=self.escape_num_warps)
+                                    num_warps=self.escape_num_warps)
         self.counters.calls += 1
         self.counters.values += 2 * key.numel()
         return stats, first

@@ -40,8 +40,8 @@ def _sections(lay):  # noqa: ANN001, ANN202
         (lay.code_offset(kv), lay.code_offset(kv) + lay.block_size * lay.code_bytes) for kv in (0, 1)]
 
 
-@pytest.mark.parametrize("D,e,tb,etb,byte_rank", [(64, 1, 16, 4, False), (128, 3, 4, 1, True), (64, 2, 1, 8, True)])
-def test_write_matches_reference_and_decodes_exactly(D: int, e: int, tb: int, etb: int, byte_rank: bool) -> None:
+@pytest.mark.parametrize("D,e,tb,etb", [(64, 1, 16, 4), (128, 3, 4, 1), (64, 2, 1, 8)])
+def test_write_matches_reference_and_decodes_exactly(D: int, e: int, tb: int, etb: int) -> None:
     g = torch.Generator().manual_seed(D)
     H, B, nb = 2, 16, 5
     lay = layout(D, B, e, e)
@@ -51,7 +51,7 @@ def test_write_matches_reference_and_decodes_exactly(D: int, e: int, tb: int, et
     ref_cache = torch.randint(0, 256, (nb, H, lay.page_bytes), dtype=torch.uint8, generator=g)
     cache = ref_cache.clone()
     ref_ovf, ovf = codec.new_overflow(nb), DeviceOverflowStore(nb, H)
-    writer = PageWriter(lay, dec, tokens_per_program=tb, escape_tokens_per_program=etb, byte_rank=byte_rank)
+    writer = PageWriter(lay, dec, tokens_per_program=tb, escape_tokens_per_program=etb)
     # A prefill run over blocks 3, 1, 4 (the last one partly full), a decode token, a padding slot, then a
     # run that goes on mid-page (rows before it from earlier calls and from itself) with a padding slot inside.
     blocks = torch.tensor([3, 1, 4])
