@@ -37,8 +37,6 @@ TC_EXTRA: tuple[dict, ...] = ()
 # the one-row kernel around runs 11-14's best; {} = the defaults (gemv_config), the row the table reports
 GEMV_SWEEP = {"gemv": (True,), "block_n": (16,), "block_kh": (128,), "splits": (1, 2, 4), "num_warps": (4, 8)}
 GEMV_ONE = {"gemv": (True,), "block_n": (16,), "block_kh": (256,), "splits": (1,), "num_warps": (4, 8)}
-# 2 to CORE_ROWS rows on the CUDA cores (the accumulator holds rows x tile, so narrower tiles)
-FEW_SWEEP = {"gemv": (True,), "block_n": (16,), "block_kh": (32, 64), "splits": (1, 2, 4), "num_warps": (4,)}
 ROTATE_BYTES = 320 << 20  # more than twice the H200's L2
 LOG: dict[str, object] = {}
 
@@ -121,10 +119,9 @@ def main() -> int:
             configs = [dict(zip(sweep, v, strict=True)) for v in itertools.product(*sweep.values())]
             configs += [] if args.smoke else list(TC_EXTRA)
             configs.insert(0, {})  # the defaults: what the glyd op runs
-            if m <= rl.CORE_ROWS:
-                few = [FEW_SWEEP] if m > 1 else [GEMV_SWEEP, GEMV_ONE]
+            if m == 1:
                 for gs in ([{"gemv": (True,), "block_n": (16,), "block_kh": (16,), "splits": (1, 2)}] if args.smoke
-                           else few):
+                           else [GEMV_SWEEP, GEMV_ONE]):
                     configs += [dict(zip(gs, v, strict=True)) for v in itertools.product(*gs.values())]
             for cfg in configs:
                 try:

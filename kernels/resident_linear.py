@@ -28,7 +28,6 @@ from glyd_engine.format.resident import ESCAPE, ResidentWeight
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_ROWS = 64  # larger batches take resident_decode + the bf16 GEMM
 FUSED_ROWS = 16  # up to this many rows the fused kernel beats decode + GEMM on the H200 (docs/gpu.md)
-CORE_ROWS = 8  # the CUDA-core kernel takes up to this many rows of x
 
 
 @triton.jit
@@ -109,36 +108,31 @@ def _resident_linear_kernel(x_pairs, x_ptr, sm_pairs, offs_ptr, part_ptr, y_ptr,
 
 @triton.jit
 def _resident_gemv_kernel(x_pairs, x_ptr, sm_pairs, offs_ptr, part_ptr, y_ptr, rowptr_ptr, esc_col_ptr,
-                          esc_corr_ptr, M, N, K, base, stride_xm, KH_SPLIT, SPLITS: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KH: tl.constexpr,
-                          FOLD: tl.constexpr, BLOCK_C: tl.constexpr, PREFETCH: tl.constexpr):
-    """A few rows of x (BLOCK_M up to CORE_ROWS) on the CUDA cores: bf16 -> fp32 is a 16-bit shift, products
-    are exact in fp32, no padding to a 16-row tensor-core tile and no trip of the decoded tile through shared
-    memory. PREFETCH: the next tile's loads are issued before this tile is decoded (Triton does not pipeline
-    a loop with no dot), so twice the bytes are in flight."""
+                          esc_corr_ptr, N, K, base, KH_SPLIT, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_KH: tl.constexpr, FOLD: tl.constexpr, BLOCK_C: tl.constexpr,
+                          PREFETCH: tl.constexpr):
+    """One row of x on the CUDA cores: bf16 -> fp32 is a 16-bit shift, products are exact in fp32, no
+    padding of the row to a 16-row tensor-core tile. PREFETCH: the next tile's loads are issued before this
+    tile is decoded (Triton does not pipeline a loop with no dot), so twice the bytes are in flight."""
     n0 = tl.program_id(0) * BLOCK_N
     split = tl.program_id(1)
     rn = n0 + tl.arange(0, BLOCK_N)
-    rm = tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_KH)
     KH = K // 2
     n_ok = rn < N
-    m_ok = rm < M
-    if BLOCK_M == 1:
-        acc = tl.zeros((BLOCK_N, BLOCK_KH), tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_KH), tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_KH), tl.float32)
     k_lo = split * KH_SPLIT
     k_hi = tl.minimum(k_lo + KH_SPLIT, KH)
     if PREFETCH:
         pair_n, offs_n = _load_tile(sm_pairs, offs_ptr, rn, n_ok, k_lo + rk, (k_lo + rk) < k_hi, KH)
-    fix = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    one = tl.arange(0, 1)
+    fix = tl.zeros((1, BLOCK_N), tl.float32)
     if FOLD:  # noqa: SIM102 (FOLD is a compile-time constant, split is not)
         # the first split adds the escape corrections, before its loop: their chain of loads runs while the
         # first tile and the other splits' tiles load, not after them
         if split == 0:
-            fix = _add_corrections(fix, rn, n_ok, rm, m_ok, x_ptr, stride_xm, rowptr_ptr, esc_col_ptr,
-                                   esc_corr_ptr, BLOCK_C)
+            fix = _add_corrections(fix, rn, n_ok, one, one < 1, x_ptr, 0, rowptr_ptr, esc_col_ptr, esc_corr_ptr,
+                                   BLOCK_C)
     for kh0 in range(k_lo, k_hi, BLOCK_KH):
         kh = kh0 + rk
         k_ok = kh < k_hi
@@ -149,26 +143,16 @@ def _resident_gemv_kernel(x_pairs, x_ptr, sm_pairs, offs_ptr, part_ptr, y_ptr, r
             w = _pair_bits(pair, offs, base)
         else:
             w = _tile_pairs(sm_pairs, offs_ptr, rn, n_ok, kh, k_ok, KH, base)
-        w_even = (w << 16).to(tl.float32, bitcast=True)
-        w_odd = (w & -65536).to(tl.float32, bitcast=True)
-        if BLOCK_M == 1:
-            xp = tl.load(x_pairs + kh, mask=k_ok, other=0)
-            acc += w_even * (xp << 16).to(tl.float32, bitcast=True)[None, :]
-            acc += w_odd * (xp & -65536).to(tl.float32, bitcast=True)[None, :]
-        else:
-            xp = tl.load(x_pairs + rm[:, None] * (stride_xm // 2) + kh[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                         other=0)
-            acc += w_even[None, :, :] * (xp << 16).to(tl.float32, bitcast=True)[:, None, :]
-            acc += w_odd[None, :, :] * (xp & -65536).to(tl.float32, bitcast=True)[:, None, :]
-    if BLOCK_M == 1:  # noqa: SIM108 (constexpr branches: the accumulator's rank differs)
-        out = tl.sum(acc, axis=1)[None, :] + fix  # [1, BLOCK_N]
-    else:
-        out = tl.sum(acc, axis=2) + fix  # [BLOCK_M, BLOCK_N]
-    ok = m_ok[:, None] & n_ok[None, :]
+        xp = tl.load(x_pairs + kh, mask=k_ok, other=0)
+        x_even = (xp << 16).to(tl.float32, bitcast=True)
+        x_odd = (xp & -65536).to(tl.float32, bitcast=True)
+        acc += (w << 16).to(tl.float32, bitcast=True) * x_even[None, :]
+        acc += (w & -65536).to(tl.float32, bitcast=True) * x_odd[None, :]
+    out = tl.sum(acc, axis=1)[None, :] + fix  # [1, BLOCK_N]
     if SPLITS == 1 and FOLD:  # nothing left to sum or correct: write y here, no second launch
-        tl.store(y_ptr + rm[:, None] * N + rn[None, :], out.to(tl.bfloat16), mask=ok)
+        tl.store(y_ptr + rn[None, :], out.to(tl.bfloat16), mask=n_ok[None, :])
     else:
-        tl.store(part_ptr + split * M * N + rm[:, None] * N + rn[None, :], out, mask=ok)
+        tl.store(part_ptr + split * N + rn[None, :], out, mask=n_ok[None, :])
 
 
 @triton.jit
@@ -281,9 +265,8 @@ def resident_linear(x: torch.Tensor, r: ResidentWeight, plan: EscapePlan, bias: 
                     splits: int | None = None, block_r: int = 16, block_c: int = 16, gemv: bool | None = None,
                     fold: bool | None = None, prefetch: bool = True) -> torch.Tensor:
     """y = x @ W.T (+ bias) for x [M, K] bf16, M <= MAX_ROWS; W decoded tile by tile on chip. `gemv` (default:
-    when M is 1; allowed up to CORE_ROWS): the rows of x run on the CUDA cores instead of a tensor-core tile
-    padded to 16 rows; `fold` (default: with gemv) has the first K split add the escape corrections instead of
-    the split-sum launch. Tiles
+    when M is 1): one row of x runs on the CUDA cores instead of a tensor-core tile padded to 16 rows; `fold`
+    (default: with gemv) has the first K split add the escape corrections instead of the split-sum launch. Tiles
     left None take the H200's best of bench/gpu_linear.py (`gemv_config`; tensor cores: TENSOR_CORE_CONFIG)."""
     n_rows, cols = _check(r)
     if x.dim() != 2 or x.shape[1] != cols or x.dtype != torch.bfloat16:
@@ -292,10 +275,8 @@ def resident_linear(x: torch.Tensor, r: ResidentWeight, plan: EscapePlan, bias: 
     if m > MAX_ROWS:
         raise ValueError(f"{m} rows: the fused kernel takes up to {MAX_ROWS}; decode once and use the bf16 GEMM")
     x = x.contiguous()
-    gemv = m == 1 if gemv is None else (gemv and m <= CORE_ROWS)
-    tuned = gemv_config(n_rows, cols) if gemv else TENSOR_CORE_CONFIG
-    if gemv and m > 1 and block_kh is None:  # the accumulator holds rows x tile: keep it ~4,096 values
-        tuned = {**tuned, "block_kh": max(16, 4096 // (triton.next_power_of_2(m) * (block_n or tuned["block_n"])))}
+    gemv = m == 1 if gemv is None else gemv
+    tuned = gemv_config(n_rows, cols) if gemv and m == 1 else TENSOR_CORE_CONFIG
     block_n, block_kh = block_n or tuned["block_n"], block_kh or tuned["block_kh"]
     splits, num_warps = splits or tuned["splits"], num_warps or tuned["num_warps"]
     n_blocks = triton.cdiv(n_rows, block_n)
@@ -303,17 +284,16 @@ def resident_linear(x: torch.Tensor, r: ResidentWeight, plan: EscapePlan, bias: 
     splits = max(1, min(splits, triton.cdiv(kh, block_kh)))
     kh_split = triton.cdiv(triton.cdiv(kh, splits), block_kh) * block_kh
     splits = triton.cdiv(kh, kh_split)
-    fold = (fold is None or fold) and gemv
-    direct = splits == 1 and (fold or not gemv)  # the one split writes y itself
+    fold = (fold is None or fold) and gemv and m == 1
+    direct = splits == 1 and (fold or not (gemv and m == 1))  # the one split writes y itself
     part = torch.empty(0 if direct else splits, m, n_rows, dtype=torch.float32, device=x.device)
     y = torch.empty(m, n_rows, dtype=torch.bfloat16, device=x.device)
     block_m = max(16, triton.next_power_of_2(m))
-    if gemv:
+    if gemv and m == 1:
         _resident_gemv_kernel[(n_blocks, splits)](
             x.view(torch.int32), x, r.sm.view(torch.int16), r.offs, part, y, plan.rowptr, plan.col, plan.corr,
-            m, n_rows, cols, r.base, x.stride(0), kh_split, SPLITS=splits, BLOCK_M=triton.next_power_of_2(m),
-            BLOCK_N=block_n, BLOCK_KH=block_kh, FOLD=fold, BLOCK_C=block_c, PREFETCH=prefetch, num_warps=num_warps,
-            num_stages=num_stages)
+            n_rows, cols, r.base, kh_split, SPLITS=splits, BLOCK_N=block_n, BLOCK_KH=block_kh, FOLD=fold,
+            BLOCK_C=block_c, PREFETCH=prefetch, num_warps=num_warps, num_stages=num_stages)
     else:
         _resident_linear_kernel[(n_blocks, splits)](
             x.view(torch.int32), x, r.sm.view(torch.int16), r.offs, part, y, plan.rowptr, plan.col, plan.corr, m,

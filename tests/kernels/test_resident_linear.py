@@ -51,7 +51,7 @@ def test_fused_matmul_matches_fp32_reference(m, n, k, block_n, block_kh, p_outli
     assert torch.equal(got.view(torch.int16), again.view(torch.int16))  # same inputs, same bits
     one = rl.resident_linear(x, r, rl.escape_plan(r), bias, block_n=block_n, block_kh=block_kh, gemv=False, splits=1)
     torch.testing.assert_close(one.float(), ref, rtol=2e-2, atol=2e-2)  # one K split: y written by the split
-    if m <= rl.CORE_ROWS:  # the CUDA-core kernel, escapes corrected in the split-sum launch or the first split
+    if m == 1:  # the CUDA-core kernel for one row, escapes corrected in the split-sum launch or the first split
         for fold, splits, prefetch in ((False, 1, True), (False, 2, False), (True, 1, False), (True, 2, True)):
             gemv = rl.resident_linear(x, r, rl.escape_plan(r), bias, block_n=block_n, block_kh=block_kh,
                                       gemv=True, fold=fold, splits=splits, prefetch=prefetch)
@@ -70,13 +70,12 @@ def test_output_is_written_everywhere_and_an_infinity_stays_in_its_column(monkey
         return real_empty(*args, **kwargs).fill_(float("nan"))
 
     monkeypatch.setattr(rl.torch, "empty", poisoned)
+    got = rl.resident_linear(x, r, rl.escape_plan(r), block_n=16, block_kh=16)
+    assert torch.isinf(got[:, 5]).all()
+    others = torch.cat([got[:, :5], got[:, 6:]], dim=1)
+    assert torch.isfinite(others).all()
     ref = x.float() @ torch.where(torch.isinf(w), 0, w).float().T
-    for gemv in (False, True):  # tensor cores; the CUDA-core kernel (3 rows)
-        got = rl.resident_linear(x, r, rl.escape_plan(r), block_n=16, block_kh=16, gemv=gemv)
-        assert torch.isinf(got[:, 5]).all()
-        others = torch.cat([got[:, :5], got[:, 6:]], dim=1)
-        assert torch.isfinite(others).all()
-        torch.testing.assert_close(others.float(), torch.cat([ref[:, :5], ref[:, 6:]], 1), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(others.float(), torch.cat([ref[:, :5], ref[:, 6:]], 1), rtol=2e-2, atol=2e-2)
 
 
 def test_padding_lanes_stay_finite_when_the_window_tops_at_inf():
