@@ -38,6 +38,7 @@ from glyd_engine.format.kv_page import ESCAPE, KVPageLayout, encode_table  # noq
 from glyd_engine.tables.build import counts_to_tables  # noqa: E402
 from kernels.kv_decode_attention import decode_pages, kv_decode_attention, num_splits_for, pack_tables  # noqa: E402
 from kernels.kv_page_write import DeviceOverflowStore, PageWriter  # noqa: E402
+from kernels.kv_prefill_attention import kv_prefill_attention, reference_prefill_attention  # noqa: E402
 
 HQ, H, D, B = 32, 8, 128, 16
 SAMPLES = ROOT / "bench" / "kv_samples" / "smollm2_kv.safetensors"
@@ -159,6 +160,91 @@ def throughput_model(batches: dict[str, int], attn: dict[str, float], dev: str) 
             "ratio_vs_bf16": {k: v / tok["bf16"] for k, v in tok.items() if k != "bf16"}}
 
 
+PREFILL_CASES = {  # name: (tokens in the pages per sequence, this step's queries per sequence)
+    "prefill 4 x 2048": ([2048] * 4, [2048] * 4),
+    "chunk 8 x 512 after 7680": ([8192] * 8, [512] * 8),
+    "mixed 16 decodes at 4k + prefill 1024": ([4096] * 16 + [1024], [1] * 16 + [1024]),
+}
+SMOKE_PREFILL_CASES = {"mixed": ([40, 37, 33], [40, 5, 1])}
+
+
+def prefill_section(pool, unified_attention, gen: torch.Generator, dev: str, smoke: bool) -> dict[str, object]:
+    """Prefill / mixed-batch attention on compressed pages against fp32 (poisoned, twice) and, on the GPU, timed
+    against vLLM's unified attention on bf16 pages with the same varlen batch."""
+    cache, lay, tab, ovf, k_pool, v_pool = pool
+    nblocks = cache.shape[0]
+    scale = D ** -0.5
+    res: dict[str, object] = {}
+    sweep_cfg = None
+    for name, (lens, q_lens) in (SMOKE_PREFILL_CASES if smoke else PREFILL_CASES).items():
+        row: dict[str, object] = {}
+        try:
+            nbs = [(n + B - 1) // B for n in lens]
+            ids = torch.randperm(nblocks, generator=gen)[: sum(nbs)]
+            bt = torch.zeros(len(lens), max(nbs), dtype=torch.int32)
+            used = 0
+            for i, nb in enumerate(nbs):
+                bt[i, :nb] = ids[used : used + nb].to(torch.int32)
+                used += nb
+            bt = bt.to(dev)
+            seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
+            start = torch.tensor([0, *torch.cumsum(torch.tensor(q_lens), 0).tolist()], dtype=torch.int32, device=dev)
+            q = torch.randn(sum(q_lens), HQ, D, generator=gen).to(torch.bfloat16).to(dev)
+            spans = list(enumerate(zip(nbs, lens, strict=True)))
+            ks = [k_pool[bt[i, :nb].long()].reshape(-1, H, D)[:n] for i, (nb, n) in spans]
+            vs = [v_pool[bt[i, :nb].long()].reshape(-1, H, D)[:n] for i, (nb, n) in spans]
+            ref = reference_prefill_attention(q, start.cpu(), ks, vs, scale)
+
+            def ours(out_t, kw, q=q, bt=bt, seq_lens=seq_lens, start=start, q_lens=q_lens):  # noqa: ANN001, ANN202
+                return lambda: kv_prefill_attention(q, cache, lay, tab, bt, seq_lens, start, max(q_lens), scale, ovf,
+                                                    out=out_t, **kw)
+            if not smoke and sweep_cfg is None:  # tokens a program x warps, on the first case
+                sweep = {}
+                for bq in (4, 8, 16):
+                    for w in (4, 8):
+                        try:
+                            sweep[f"q{bq}w{w}"] = bench_fn(ours(torch.empty_like(q), {"block_q": bq, "num_warps": w}),
+                                                           True)
+                        except Exception as exc:  # noqa: BLE001
+                            sweep[f"q{bq}w{w}"] = repr(exc)[:120]
+                res["sweep_ms"] = sweep
+                best = min((k for k in sweep if isinstance(sweep[k], float)), key=lambda k: sweep[k])
+                bq, w = (int(x) for x in best[1:].split("w"))
+                sweep_cfg = {"block_q": bq, "num_warps": w}
+                res["best"] = best
+            kw = sweep_cfg or {}
+            o1, o2 = torch.full_like(q, float("nan")), torch.full_like(q, float("nan"))
+            ours(o1, kw)()
+            ours(o2, kw)()
+            row["rel_err"] = float((o1.float() - ref).norm() / ref.norm())
+            row["nan"] = bool(o1.isnan().any())
+            row["deterministic"] = bool(torch.equal(o1.view(torch.int16), o2.view(torch.int16)))
+            if not smoke:
+                row["ours_ms"] = bench_fn(ours(o1, kw), True)
+                if unified_attention is not None:
+                    n_q = q.shape[0]
+                    sc = (torch.empty(n_q, HQ, 16, D, dtype=torch.float32, device=dev),
+                          torch.empty(n_q, HQ, 16, dtype=torch.float32, device=dev),
+                          torch.empty(n_q, HQ, 16, dtype=torch.float32, device=dev))
+                    ov = torch.full_like(q, float("nan"))
+
+                    def vllm(q=q, bt=bt, seq_lens=seq_lens, start=start, q_lens=q_lens, lens=lens, sc=sc, ov=ov):  # noqa: ANN001, ANN202
+                        unified_attention(q, k_pool, v_pool, ov, start, max(q_lens), seq_lens, max(lens), scale, True,
+                                          (-1, -1), bt, 0, None, None, None, seq_threshold_3D=128 // H,
+                                          num_par_softmax_segments=16, softmax_segm_output=sc[0],
+                                          softmax_segm_max=sc[1], softmax_segm_expsum=sc[2])
+                    vllm()
+                    row["vllm_rel_err"] = float((ov.float() - ref).norm() / ref.norm())
+                    row["vllm_ms"] = bench_fn(vllm, True)
+                    row["speedup_vs_vllm"] = row["vllm_ms"] / row["ours_ms"]
+        except Exception as exc:  # noqa: BLE001
+            row["error"] = repr(exc)[:300]
+            traceback.print_exc()
+        res[name] = row
+        print("prefill", name, row, flush=True)
+    return res
+
+
 def bench_fn(fn, graphs: bool) -> float:  # noqa: ANN001
     """Median ms of fn, replayed from a CUDA graph when `graphs`."""
     import triton.testing as tt
@@ -205,6 +291,7 @@ def main() -> None:  # noqa: C901, PLR0915
     ap.add_argument("--layer", type=int, default=15)
     ap.add_argument("--kv-gib", type=float, default=100.0, help="KV memory of the throughput model (both caches)")
     ap.add_argument("--no-model", action="store_true", help="skip the throughput model")
+    ap.add_argument("--only-prefill", action="store_true", help="stop after the prefill / mixed-batch section")
     args = ap.parse_args()
     out = Path(args.out) if args.out else None
     if out:
@@ -370,6 +457,9 @@ def main() -> None:  # noqa: C901, PLR0915
         acc_rows.append(row)
         print("accuracy", row)
     log("accuracy", acc_rows, out)
+    log("prefill", prefill_section((cache, lay, tab, ovf, k_pool, v_pool), unified_attention, gen, dev, smoke), out)
+    if args.only_prefill:
+        return
     if smoke:
         print("smoke ok")
         return

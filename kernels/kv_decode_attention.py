@@ -175,6 +175,27 @@ def _decode_half(cache_ptr, cache_w_ptr, arena_ptr, ovf_row_ptr, page_off, row, 
 
 
 @triton.jit
+def _softmax_step(q, kt, vt, mask, kvalid, m_i, l_i, acc, scale_log2, DOT_F32: tl.constexpr):
+    """One tile of keys into the online softmax: scores q·kt masked (mask [rows, T]), P·V with bf16 operands and
+    fp32 accumulation; rows of V past the fill (kvalid [T]) are zeroed, since garbage bits may be NaN."""
+    if DOT_F32:  # the CPU interpreter multiplies bf16 dot operands as raw bits: widen them there
+        s = tl.dot(q.to(tl.float32), tl.trans(kt.to(tl.float32))) * scale_log2
+    else:
+        s = tl.dot(q, tl.trans(kt)) * scale_log2
+    s = tl.where(mask, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    vt = tl.where(kvalid[:, None], vt, 0.0)
+    if DOT_F32:
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16).to(tl.float32), vt.to(tl.float32))
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), vt)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _attn_kernel(q_ptr, out_ptr, part_o_ptr, part_ml_ptr, cache_ptr, cache_w_ptr, tbl_ptr, ovf_ptr, arena_ptr,
                  block_table_ptr, seq_lens_ptr, scale_log2, stride_q0, stride_q1, stride_o0, stride_o1,
                  bt_stride, page_bytes, num_kv_heads, pages_per_split,
@@ -232,21 +253,7 @@ def _attn_kernel(q_ptr, out_ptr, part_o_ptr, part_ml_ptr, cache_ptr, cache_w_ptr
                           0, K_SM, K_CODE, K_ESC, K_RES, B, D, PAGES, CHECK_OVF, USE_ASM, VEC)
         vt = _decode_half(cache_ptr, cache_w_ptr, arena_ptr, ovf_head + ob, page_off, row, valid, v_lo, v_hi,
                           1, V_SM, V_CODE, V_ESC, V_RES, B, D, PAGES, CHECK_OVF, USE_ASM, VEC)
-        if DOT_F32:  # the CPU interpreter multiplies bf16 dot operands as raw bits: widen them there
-            s = tl.dot(q.to(tl.float32), tl.trans(kt.to(tl.float32))) * scale_log2
-        else:
-            s = tl.dot(q, tl.trans(kt)) * scale_log2
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        vt = tl.where(valid[:, None], vt, 0.0)
-        if DOT_F32:
-            acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16).to(tl.float32), vt.to(tl.float32))
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), vt)
-        m_i = m_new
+        m_i, l_i, acc = _softmax_step(q, kt, vt, valid[None, :], valid, m_i, l_i, acc, scale_log2, DOT_F32)
 
     hq = h * G + g
     if NUM_SPLITS == 1:

@@ -1,0 +1,144 @@
+"""Prefill and mixed-batch attention over Glyd's compressed KV pages, in Triton.
+
+As vLLM's unified attention does, the step's own K/V are already in the pages (the page writer runs first),
+so every query reads one thing: the sequence's pages, decoded in registers by the decode kernel's decoder
+(`_decode_half`), under a causal mask. Query token i of a sequence with L tokens in all and q new ones sits at
+position L - q + i and sees keys 0..L - q + i. A batch may mix prefill runs, chunks of a longer prefill (pages
+already full before the chunk) and single decode tokens, in vLLM's varlen layout (`query_start_loc`).
+
+One program per (sequence, KV head, block of BLOCK_Q query tokens): its rows are the block's tokens times the
+G query heads of the KV head (padded to 16 for the tensor-core dot), so a decoded page serves G·BLOCK_Q rows.
+It walks the pages up to the block's last position, with the online softmax of the decode kernel
+(`_softmax_step`); no context split, so the result does not depend on any launch setting but BLOCK_Q.
+`reference_prefill_attention` is the fp32 torch reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from glyd_engine.format.kv_page import KVPageLayout, OverflowStore
+from kernels.kv_decode_attention import (
+    _INTERPRET,
+    _check,
+    _decode_half,
+    _load_word,
+    _offsets,
+    _overflow_args,
+    _softmax_step,
+)
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, out_ptr, cache_ptr, cache_w_ptr, tbl_ptr, ovf_ptr, arena_ptr, block_table_ptr,
+                    seq_lens_ptr, q_start_ptr, scale_log2, stride_q0, stride_q1, stride_o0, stride_o1, bt_stride,
+                    page_bytes, num_kv_heads,
+                    G: tl.constexpr, BLOCK_Q: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, B: tl.constexpr,
+                    K_SM: tl.constexpr, V_SM: tl.constexpr, K_CODE: tl.constexpr, V_CODE: tl.constexpr,
+                    K_ESC: tl.constexpr, V_ESC: tl.constexpr, K_RES: tl.constexpr, V_RES: tl.constexpr,
+                    CHECK_OVF: tl.constexpr, DOT_F32: tl.constexpr, USE_ASM: tl.constexpr, VEC: tl.constexpr):
+    seq = tl.program_id(0)
+    h = tl.program_id(1)
+    q0 = tl.program_id(2) * BLOCK_Q
+    q_lo = tl.load(q_start_ptr + seq)
+    q_len = tl.load(q_start_ptr + seq + 1) - q_lo
+    if q0 < q_len:
+        seq_len = tl.load(seq_lens_ptr + seq)
+        before = seq_len - q_len  # tokens cached before this step's queries
+        r = tl.arange(0, ROWS)
+        qi = q0 + r // G
+        r_ok = (r < BLOCK_Q * G) & (qi < q_len)
+        hq = h * G + r % G
+        tok = (q_lo + qi).to(tl.int64)
+        d = tl.arange(0, D)
+        q = tl.load(q_ptr + tok[:, None] * stride_q0 + hq[:, None] * stride_q1 + d[None, :], mask=r_ok[:, None],
+                    other=0.0).to(tl.bfloat16)
+        pos = before + qi  # each row's position: it sees keys 0..pos
+        ch = tl.arange(0, D // 32)[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]  # [1, W, 32]
+        tk = tbl_ptr + (h * D + ch) * 2
+        tv = tbl_ptr + ((num_kv_heads + h) * D + ch) * 2
+        k_lo = _load_word(tk, USE_ASM)
+        k_hi = _load_word(tk + 1, USE_ASM)
+        v_lo = _load_word(tv, USE_ASM)
+        v_hi = _load_word(tv + 1, USE_ASM)
+        m_i = tl.full([ROWS], -1.0e30, tl.float32)
+        l_i = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, D], tl.float32)
+        row = tl.arange(0, B)
+        ovf_head = ovf_ptr + h * 2
+        n_pages = tl.cdiv(tl.minimum(before + q0 + BLOCK_Q, seq_len), B)
+        for p in range(0, n_pages):
+            blk = tl.load(block_table_ptr + seq.to(tl.int64) * bt_stride + p).to(tl.int64)
+            page_off = (blk * num_kv_heads + h) * page_bytes + row * 0
+            kpos = p * B + row
+            valid = kpos < seq_len
+            ob = blk * num_kv_heads * 2 + row * 0
+            kt = _decode_half(cache_ptr, cache_w_ptr, arena_ptr, ovf_head + ob, page_off, row, valid, k_lo, k_hi,
+                              0, K_SM, K_CODE, K_ESC, K_RES, B, D, 1, CHECK_OVF, USE_ASM, VEC)
+            vt = _decode_half(cache_ptr, cache_w_ptr, arena_ptr, ovf_head + ob, page_off, row, valid, v_lo, v_hi,
+                              1, V_SM, V_CODE, V_ESC, V_RES, B, D, 1, CHECK_OVF, USE_ASM, VEC)
+            mask = valid[None, :] & (kpos[None, :] <= pos[:, None])
+            m_i, l_i, acc = _softmax_step(q, kt, vt, mask, valid, m_i, l_i, acc, scale_log2, DOT_F32)
+        o = acc / tl.maximum(l_i, 1e-30)[:, None]
+        tl.store(out_ptr + tok[:, None] * stride_o0 + hq[:, None] * stride_o1 + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=r_ok[:, None])
+
+
+def kv_prefill_attention(query: torch.Tensor, cache: torch.Tensor, layout: KVPageLayout, tables: torch.Tensor,
+                         block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                         max_query_len: int, scale: float, overflow: OverflowStore | None = None,
+                         out: torch.Tensor | None = None, block_q: int | None = None, num_warps: int = 4,
+                         vec: int = 4) -> torch.Tensor:
+    """Causal attention of a varlen batch over its pages.
+
+    query [total_q, Hq, D] bf16; query_start_loc int32 [S + 1] (sequence s's queries are rows
+    query_start_loc[s]..[s + 1]); seq_lens int32 [S]: tokens in the pages per sequence, this step's
+    included; `max_query_len` (host int) sizes the grid. cache, tables, block_table, overflow as for
+    `kv_decode_attention`. block_q: query tokens a program (default: 64 rows of query heads, at least 1).
+    Returns out [total_q, Hq, D] in query's dtype.
+    """
+    _check(cache, layout)
+    total, Hq, D = query.shape
+    H = cache.shape[1]
+    G = Hq // H
+    if Hq % H or layout.head_size != D:
+        raise ValueError("query heads must be a multiple of KV heads and the head size must match the layout")
+    S = seq_lens.numel()
+    if query_start_loc.numel() != S + 1:
+        raise ValueError(f"query_start_loc needs {S + 1} entries for {S} sequences, not {query_start_loc.numel()}")
+    if out is None:
+        out = torch.empty_like(query)
+    if total == 0 or S == 0:
+        return out
+    block_q = block_q or max(1, 64 // G)
+    rows = max(16, triton.next_power_of_2(block_q * G))
+    ovf_ptr, arena, check_ovf = _overflow_args(overflow, cache)
+    _prefill_kernel[(S, H, triton.cdiv(max(1, max_query_len), block_q))](
+        query, out, cache, cache.view(-1).view(torch.int32), tables, ovf_ptr, arena, block_table, seq_lens,
+        query_start_loc, scale * 1.4426950408889634, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        block_table.stride(0), layout.page_bytes, H, G=G, BLOCK_Q=block_q, ROWS=rows, D=D, B=layout.block_size,
+        CHECK_OVF=check_ovf, DOT_F32=_INTERPRET, USE_ASM=not _INTERPRET, VEC=vec, num_warps=num_warps,
+        **_offsets(layout))
+    return out
+
+
+def reference_prefill_attention(query: torch.Tensor, query_start_loc: torch.Tensor, keys: list[torch.Tensor],
+                                values: list[torch.Tensor], scale: float) -> torch.Tensor:
+    """fp32 causal reference: keys/values per sequence [L, H, D], the step's queries at its last positions."""
+    outs = []
+    for s, (k, v) in enumerate(zip(keys, values, strict=True)):
+        q = query[int(query_start_loc[s]):int(query_start_loc[s + 1])].float()  # [q, Hq, D]
+        g = q.shape[1] // k.shape[1]
+        kk = k.float().repeat_interleave(g, dim=1)
+        vv = v.float().repeat_interleave(g, dim=1)
+        scores = torch.einsum("qhd,lhd->hql", q, kk) * scale
+        pos = k.shape[0] - q.shape[0] + torch.arange(q.shape[0], device=k.device)
+        later = torch.arange(k.shape[0], device=k.device)[None, None, :] > pos[None, :, None]
+        scores = scores.masked_fill(later, float("-inf"))
+        outs.append(torch.einsum("hql,lhd->qhd", torch.softmax(scores, dim=-1), vv))
+    return torch.cat(outs)
+
+
+__all__ = ["kv_prefill_attention", "reference_prefill_attention"]
