@@ -9,7 +9,9 @@ It measures, in one run: the copy bandwidth; correctness (decoded pages bit for 
 source, attention against an fp32 reference, the same bits twice); then for batch x context, decode
 attention of (a) our kernel on compressed pages, (b) vLLM 0.33's Triton unified attention on bf16 pages
 (carried under .baseline/, see /work/shared/tools/vllm-triton-baseline), (c) torch SDPA on contiguous bf16,
-each timed under CUDA graphs (median, inputs rotated when they would fit in L2); and page-write throughput.
+each timed under CUDA graphs (median, inputs rotated when they would fit in L2); prefill and mixed batches
+(`kv_prefill_attention` against vLLM's unified attention, `--only-prefill` stops there); the decode throughput
+model of docs/gpu.md (`--no-model` skips it); and page-write throughput (a sweep of the writer's tiles).
 
 Run (device):  PYTHONUNBUFFERED=1 python3 bench/gpu.py --out $OUT
 Smoke (CPU):   TRITON_INTERPRET=1 .venv/bin/python bench/gpu.py --smoke
