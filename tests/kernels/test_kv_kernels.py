@@ -104,7 +104,7 @@ def _paged(lens, H, D, B, e, g, kv=None):  # noqa: ANN001, ANN202
     return lay, dec, cache, ovf, bt, list(torch.split(k, lens)), list(torch.split(v, lens))
 
 
-@pytest.mark.parametrize("D,G,splits,kw", [(64, 4, None, {}), (128, 2, 3, {"pages": 2, "vec": 16})])
+@pytest.mark.parametrize("D,G,splits,kw", [(64, 4, None, {}), (128, 2, 3, {"pages": 2, "vec": 16}), (256, 2, 2, {})])
 def test_attention_matches_fp32_reference(D: int, G: int, splits: int | None, kw: dict) -> None:
     g = torch.Generator().manual_seed(7 + D)
     H, B = 2, 16
@@ -128,7 +128,7 @@ def test_attention_matches_fp32_reference(D: int, G: int, splits: int | None, kw
     assert torch.equal(_bits(again), _bits(outs[0])), "same inputs, same bits"
 
 
-@pytest.mark.parametrize("D,G,block_q", [(64, 4, None), (128, 2, 3)])
+@pytest.mark.parametrize("D,G,block_q", [(64, 4, None), (128, 2, 3), (256, 1, 2)])
 def test_mixed_batch_attention_matches_fp32_reference(D: int, G: int, block_q: int | None) -> None:
     """A prefill run, a chunk after full pages, a chunk mid-page and a decode token in one varlen batch."""
     g = torch.Generator().manual_seed(11 + D)
