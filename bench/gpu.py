@@ -559,9 +559,10 @@ def main() -> None:  # noqa: C901, PLR0915
                 attn[f"glyd_b{S}"] = bench_fn(ours(q, bt, lens, MODEL_CONTEXT, o, cfg), True)
                 if unified_attention is not None:
                     attn[f"vllm_b{S}"] = bench_fn(vllm_fn(q, bt, lens, MODEL_CONTEXT, o, scratch_for(S)), True)
-                k1, v1 = src.draw(S)
-                s1 = (torch.randperm(nblocks - 64, generator=gen)[:S] * B + 5).to(dev)
-                attn[f"write_b{S}"] = bench_fn(lambda k1=k1, v1=v1, s1=s1: writer.launch(cache, k1, v1, s1), True)
+                k1, v1 = src.draw(S)  # one decode token a sequence, into a scratch cache (the pool stays intact)
+                s1 = (torch.arange(S, device=dev) * B + 5).to(dev)
+                wc = torch.zeros(S, H, lay.page_bytes, dtype=torch.uint8, device=dev)
+                attn[f"write_b{S}"] = bench_fn(lambda k1=k1, v1=v1, s1=s1, wc=wc: writer.launch(wc, k1, v1, s1), True)
             model["attention_ms"] = attn
             model.update(throughput_model(model_batches, attn, dev))
         except Exception as exc:  # noqa: BLE001

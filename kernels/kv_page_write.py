@@ -188,6 +188,11 @@ class PageWriter:
             raise ValueError(f"the Triton page writer needs a power-of-two head size, not {layout.head_size}")
         if layout.block_size & (layout.block_size - 1):
             raise ValueError(f"the Triton page writer needs a power-of-two block size, not {layout.block_size}")
+        for name, n in (("tokens_per_program", tokens_per_program), ("num_warps", num_warps),
+                        ("escape_tokens_per_program", escape_tokens_per_program),
+                        ("escape_num_warps", escape_num_warps)):
+            if n < 1 or n & (n - 1):
+                raise ValueError(f"{name} must be a power of two, not {n}")
         self.layout = layout
         self.dec = decode_table.contiguous()
         self.enc = encode_table(decode_table.cpu()).to(decode_table.device)

@@ -105,6 +105,8 @@ def kv_prefill_attention(query: torch.Tensor, cache: torch.Tensor, layout: KVPag
     G = Hq // H
     if Hq % H or layout.head_size != D:
         raise ValueError("query heads must be a multiple of KV heads and the head size must match the layout")
+    if query.dtype != torch.bfloat16 or query.stride(2) != 1:
+        raise ValueError(f"query must be bf16 with contiguous head dims (the pages hold bf16), not {query.dtype}")
     S = seq_lens.numel()
     if query_start_loc.numel() != S + 1:
         raise ValueError(f"query_start_loc needs {S + 1} entries for {S} sequences, not {query_start_loc.numel()}")

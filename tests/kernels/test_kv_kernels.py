@@ -82,6 +82,17 @@ def test_write_matches_reference_and_decodes_exactly(D: int, e: int, tb: int, et
     assert torch.equal(_bits(keys), _bits(torch.cat([k[:35], k[36:37], k[38:39]])))
 
 
+def test_kernels_refuse_what_they_cannot_do() -> None:
+    lay = layout(64)
+    dec = torch.zeros(2, 1, 64, 7, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="power of two"):
+        PageWriter(lay, dec, tokens_per_program=3)
+    cache = torch.zeros(1, 1, lay.page_bytes, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="bf16"):
+        kv_prefill_attention(torch.zeros(1, 1, 64), cache, lay, pack_tables(dec), torch.zeros(1, 1, dtype=torch.int32),
+                             torch.ones(1, dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), 1, 0.125)
+
+
 def _paged(lens, H, D, B, e, g, kv=None):  # noqa: ANN001, ANN202
     lay = layout(D, B, e, e)
     total = sum(lens)
