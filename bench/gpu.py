@@ -269,19 +269,17 @@ def copy_bandwidth(dev: str) -> float:
 def check_decode(checks, gen, nblocks, dev, cache, lay, tab, ovf, k_pool, v_pool) -> None:  # noqa: ANN001
     """Decoded pages (the attention kernel's decoder) against the bf16 source, bit for bit."""
     blocks = torch.randperm(nblocks, generator=gen)[: min(nblocks, 4096)].to(dev)
-    dk, dv = decode_pages(cache, lay, tab, blocks, ovf)
+    held = (ovf.ptr >= 0).any(-1).any(-1).nonzero().flatten()[:65536]  # blocks with an overflow run
     checks["decode_pages_checked"] = int(blocks.numel())
-    checks["decode_bit_exact"] = bool(
-        torch.equal(dk.view(torch.int16), k_pool[blocks].transpose(1, 2).view(torch.int16))
-        and torch.equal(dv.view(torch.int16), v_pool[blocks].transpose(1, 2).view(torch.int16)))
-    held = (ovf.ptr >= 0).any(-1).any(-1).nonzero().flatten()  # every block with an overflow run
-    if held.numel():
-        held = held[:65536]
-        dk, dv = decode_pages(cache, lay, tab, held, ovf)
-        checks["overflow_blocks_checked"] = int(held.numel())
-        checks["overflow_blocks_bit_exact"] = bool(
-            torch.equal(dk.view(torch.int16), k_pool[held].transpose(1, 2).view(torch.int16))
-            and torch.equal(dv.view(torch.int16), v_pool[held].transpose(1, 2).view(torch.int16)))
+    checks["overflow_blocks_checked"] = int(held.numel())
+    for branch in (False, True):  # both escape paths of the decoder (ovf_branch: arena under a tile branch)
+        tag = "_ovf_branch" if branch else ""
+        for key, ids in (("decode", blocks), ("overflow_blocks", held)):
+            if ids.numel():
+                dk, dv = decode_pages(cache, lay, tab, ids, ovf, ovf_branch=branch)
+                checks[f"{key}_bit_exact{tag}"] = bool(
+                    torch.equal(dk.view(torch.int16), k_pool[ids].transpose(1, 2).view(torch.int16))
+                    and torch.equal(dv.view(torch.int16), v_pool[ids].transpose(1, 2).view(torch.int16)))
 
 
 def main() -> None:  # noqa: C901, PLR0915
@@ -406,7 +404,8 @@ def main() -> None:  # noqa: C901, PLR0915
         return bt, lens, q
 
     def ours(q, bt, lens, L, out_t, cfg=None):  # noqa: ANN001, ANN202
-        kw = dict(zip(("pages", "num_warps", "num_stages", "vec", "prefetch", "maxnreg"), cfg or (), strict=False))
+        kw = dict(zip(("pages", "num_warps", "num_stages", "vec", "prefetch", "maxnreg", "ovf_branch"), cfg or (),
+                      strict=False))
         return lambda: kv_decode_attention(q, cache, lay, tab, bt, lens, L, scale, ovf, out=out_t, **kw)
 
     def vllm_fn(q, bt, lens, L, out_t, scratch):  # noqa: ANN001, ANN202
@@ -471,12 +470,16 @@ def main() -> None:  # noqa: C901, PLR0915
     S, L = (32, 8192) if 32 in batches and 8192 in contexts else (batches[-1], contexts[-1])
     bt, lens, q = make_case(S, L, 0)
     o = torch.empty_like(q)
-    # (pages, warps, stages, vec, prefetch, maxnreg)
-    configs = [(1, 4, 2, 16, 0, 0), (1, 4, 2, 4, 0, 0), (1, 4, 1, 4, 1, 0), (1, 8, 1, 4, 1, 128), (1, 8, 2, 4, 0, 128),
-               (1, 8, 1, 4, 2, 128), (2, 8, 1, 4, 1, 168), (2, 8, 2, 4, 0, 0), (1, 4, 1, 4, 1, 168),
-               (1, 8, 1, 16, 1, 128), (1, 4, 2, 4, 1, 0), (2, 8, 2, 4, 1, 168)]
+    # (pages, warps, stages, vec, prefetch, maxnreg, ovf_branch: the arena under a tile-uniform branch)
+    configs = [(1, 4, 2, 16, 0, 0, 0), (1, 4, 2, 4, 0, 0, 0), (1, 4, 1, 4, 1, 0, 0), (1, 8, 1, 4, 1, 128, 0),
+               (1, 8, 2, 4, 0, 128, 0), (1, 8, 1, 4, 2, 128, 0), (2, 8, 1, 4, 1, 168, 0), (2, 8, 2, 4, 0, 0, 0),
+               (1, 4, 1, 4, 1, 168, 0), (1, 8, 1, 16, 1, 128, 0), (1, 4, 2, 4, 1, 0, 0), (2, 8, 2, 4, 1, 168, 0),
+               (1, 4, 1, 4, 1, 168, 1), (1, 4, 1, 4, 1, 0, 1), (1, 8, 1, 4, 1, 128, 1)]
+
+    def cfg_name(c: tuple) -> str:  # noqa: ANN001
+        return "p{}w{}s{}v{}f{}r{}".format(*c[:6]) + ("b" if c[6] else "")
     for cfg in configs:
-        name = "p{}w{}s{}v{}f{}r{}".format(*cfg)
+        name = cfg_name(cfg)
         try:
             tune[name] = bench_fn(ours(q, bt, lens, L, o, cfg), True)
         except Exception as exc:  # noqa: BLE001
@@ -485,7 +488,7 @@ def main() -> None:  # noqa: C901, PLR0915
     print(f"tune (ms at batch {S} x {L}):", tune)
     log("tune", tune, out)
     best = min((k for k in tune if isinstance(tune[k], float)), key=lambda k: tune[k])
-    cfg = configs[[ "p{}w{}s{}v{}f{}r{}".format(*c) for c in configs].index(best)]
+    cfg = configs[[cfg_name(c) for c in configs].index(best)]
     pages = cfg[0]
     for S2, L2 in ((8, 1024), (2, 32768)):  # the chosen config against fp32 too, poisoned, twice
         bt2, lens2, q2 = make_case(S2, L2, 0)
