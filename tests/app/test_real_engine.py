@@ -18,6 +18,7 @@ from helpers import type_text, wait_for
 
 from glyd_app.app import GlydApp
 from glyd_app.store import Store
+from glyd_app.widgets.chat_input import ChatInput
 from glyd_app.widgets.messages import MessageView
 from glyd_app.widgets.stats_bar import StatsBar
 from glyd_engine.engine.protocol import EngineSettings
@@ -73,13 +74,19 @@ def _app(env: dict[str, Path], **kwargs: object) -> GlydApp:
 async def _ready(pilot, app: GlydApp) -> None:  # type: ignore[no-untyped-def]
     await wait_for(pilot, lambda: app.engine_state in ("ready", "failed"), START_TIMEOUT, "engine start")
     assert app.engine_state == "ready", app.last_error
+    # the start screen is dismissed after Ready: keys typed before it is gone would not reach the chat
+    await wait_for(pilot, lambda: app.screen is app.chat_screen, 30, "the start screen closed")
 
 
 async def _send(pilot, app: GlydApp, text: str) -> MessageView:  # type: ignore[no-untyped-def]
-    await pilot.click("#input")
+    # focus by code, not by a click: a "ready" toast over the input can take a click
+    box = app.chat_screen.query_one(ChatInput)
+    box.focus()
+    await wait_for(pilot, lambda: box.has_focus, 10, "the input focused")
     await type_text(pilot, text)
+    await wait_for(pilot, lambda: box.text == text, 10, f"the input holding {text!r} (it holds {box.text!r})")
     await pilot.press("enter")
-    await wait_for(pilot, lambda: app.chat_screen.busy, 10, "reply started")
+    await wait_for(pilot, lambda: app.chat_screen.busy, 30, "reply started")
     await wait_for(pilot, lambda: not app.chat_screen.busy, REPLY_TIMEOUT, "reply finished")
     return list(app.query(MessageView))[-1]
 
@@ -103,7 +110,7 @@ async def test_chat_stop_switch_and_back_on_the_real_engine(real_env: dict[str, 
         assert stored[-1].status in ("done", "length") and stored[-1].stats.get("gen_tps")
 
         # 2. Esc stops a long reply; the text so far is kept
-        await pilot.click("#input")
+        app.chat_screen.query_one(ChatInput).focus()
         await type_text(pilot, "Write a very long story about a dragon and a knight.")
         await pilot.press("enter")
         await wait_for(
