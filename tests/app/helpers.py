@@ -19,3 +19,11 @@ async def wait_for(pilot: Pilot, condition: Callable[[], bool], timeout: float =
 async def type_text(pilot: Pilot, text: str) -> None:
     """Type into the focused widget (characters as key presses; spaces by name)."""
     await pilot.press(*[{" ": "space"}.get(c, c) for c in text])
+
+
+async def focus_input(pilot: Pilot, app) -> None:  # noqa: ANN001 (a GlydApp; the helper stays import-light)
+    """The chat screen current and its input focused, by code: a click there can land on a toast instead."""
+    await wait_for(pilot, lambda: app.screen is app.chat_screen, 30, "the chat screen current")
+    box = app.chat_screen.query_one("#input")
+    box.focus()
+    await wait_for(pilot, lambda: box.has_focus, 10, "the input focused")

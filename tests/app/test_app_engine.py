@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import type_text, wait_for
+from helpers import focus_input, type_text, wait_for
 
 from glyd_app.app import GlydApp
 from glyd_app.screens.dialogs import EngineFailed
@@ -51,7 +51,7 @@ async def test_crash_mid_reply_keeps_text_and_restart_works(echo_app) -> None:  
         assert reply.role == "assistant" and reply.status == "interrupted" and reply.content == "about to "
         await pilot.press("r")  # restart from the dialog
         await wait_for(pilot, lambda: app.engine_state == "ready", 30, "ready again")
-        await pilot.click("#input")
+        await focus_input(pilot, app)
         await type_text(pilot, "hello again")
         await pilot.press("enter")
         await wait_for(pilot, lambda: not app.chat_screen.busy and len(app.query(MessageView)) == 4, 30)

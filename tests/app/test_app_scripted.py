@@ -6,7 +6,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from helpers import type_text, wait_for
+from helpers import focus_input, type_text, wait_for
 from scripted import READY, Script
 
 from glyd_app.app import GlydApp
@@ -186,8 +186,7 @@ async def test_chat_settings_reach_the_engine(scripted_app: MakeApp) -> None:
         await pilot.press("ctrl+a", "ctrl+k")
         await type_text(pilot, "64")
         await pilot.press("ctrl+s")
-        await wait_for(pilot, lambda: app.screen is app.chat_screen)
-        await pilot.click("#input")
+        await focus_input(pilot, app)
         await type_text(pilot, "hi")
         await pilot.press("enter")
         engine = app.engine_factory.engines[-1]  # type: ignore[attr-defined]

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 import pytest
-from helpers import type_text, wait_for
+from helpers import focus_input, type_text, wait_for
 
 from glyd_app.app import GlydApp
 from glyd_app.store import Store
@@ -74,15 +74,11 @@ def _app(env: dict[str, Path], **kwargs: object) -> GlydApp:
 async def _ready(pilot, app: GlydApp) -> None:  # type: ignore[no-untyped-def]
     await wait_for(pilot, lambda: app.engine_state in ("ready", "failed"), START_TIMEOUT, "engine start")
     assert app.engine_state == "ready", app.last_error
-    # the start screen is dismissed after Ready: keys typed before it is gone would not reach the chat
-    await wait_for(pilot, lambda: app.screen is app.chat_screen, 30, "the start screen closed")
 
 
 async def _send(pilot, app: GlydApp, text: str) -> MessageView:  # type: ignore[no-untyped-def]
-    # focus by code, not by a click: a "ready" toast over the input can take a click
+    await focus_input(pilot, app)
     box = app.chat_screen.query_one(ChatInput)
-    box.focus()
-    await wait_for(pilot, lambda: box.has_focus, 10, "the input focused")
     await type_text(pilot, text)
     await wait_for(pilot, lambda: box.text == text, 10, f"the input holding {text!r} (it holds {box.text!r})")
     await pilot.press("enter")
@@ -110,7 +106,7 @@ async def test_chat_stop_switch_and_back_on_the_real_engine(real_env: dict[str, 
         assert stored[-1].status in ("done", "length") and stored[-1].stats.get("gen_tps")
 
         # 2. Esc stops a long reply; the text so far is kept
-        app.chat_screen.query_one(ChatInput).focus()
+        await focus_input(pilot, app)
         await type_text(pilot, "Write a very long story about a dragon and a knight.")
         await pilot.press("enter")
         await wait_for(

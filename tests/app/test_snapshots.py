@@ -45,17 +45,34 @@ def make(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-un
 
 
 async def _no_toasts(pilot: Pilot) -> None:
-    """Clear the "is ready" toast; notify() posts a message, so let it arrive first."""
-    await pilot.pause(0.1)
-    pilot.app.clear_notifications()
-    await pilot.pause()
+    """Clear the "is ready" toast. notify() posts a message and the toast rack updates later, so clear until
+    no toast is on screen twice in a row (a loaded CI machine can deliver the toast after one pause)."""
+    quiet = 0
+    for _ in range(100):
+        await pilot.pause(0.02)
+        await pilot.pause()
+        if pilot.app.screen.query("Toast"):
+            pilot.app.clear_notifications()
+            quiet = 0
+            continue
+        quiet += 1
+        if quiet >= 2:
+            return
+    raise AssertionError("toasts kept appearing")
 
 
 async def _steady(pilot: Pilot) -> None:
-    for widget in pilot.app.query(TextArea):
-        widget.cursor_blink = False
-    for widget in pilot.app.query(Input):
-        widget.cursor_blink = False
+    """Cursors frozen on every screen of the stack (a chat input under a modal still renders, in the blink
+    phase it had when the modal opened): a blink caught mid-way made snapshots flaky on a loaded machine."""
+    for screen in pilot.app.screen_stack:
+        for area in screen.query(TextArea):
+            # TextArea draws its cursor while blinking and in the visible phase, whatever the focus: stop the
+            # timer in that phase and repaint (the phase flag does not repaint by itself)
+            area.blink_timer.pause()
+            area._cursor_visible = True
+            area.refresh()
+        for field in screen.query(Input):
+            field.cursor_blink = False
     await pilot.pause()
 
 
@@ -97,6 +114,7 @@ def test_model_picker(make, snap_compare, tmp_path: Path) -> None:  # type: igno
     async def before(pilot: Pilot) -> None:
         await wait_for(pilot, lambda: app.engine_state == "ready")
         await _no_toasts(pilot)
+        await _steady(pilot)  # freeze the chat input's cursor before a screen covers it
         await pilot.press("f2")
         await wait_for(pilot, lambda: len(getattr(app.screen, "entries", [])) == 2)
         await _steady(pilot)
@@ -146,6 +164,7 @@ def test_chat_list(
     async def before(pilot: Pilot) -> None:
         await wait_for(pilot, lambda: app.engine_state == "ready")
         await _no_toasts(pilot)
+        await _steady(pilot)  # freeze the chat input's cursor before a screen covers it
         await pilot.press("f3")
         await wait_for(pilot, lambda: app.screen.__class__.__name__ == "ChatList")
         await _steady(pilot)
@@ -159,6 +178,7 @@ def test_help(make, snap_compare) -> None:  # type: ignore[no-untyped-def]
     async def before(pilot: Pilot) -> None:
         await wait_for(pilot, lambda: app.engine_state == "ready")
         await _no_toasts(pilot)
+        await _steady(pilot)  # freeze the chat input's cursor before a screen covers it
         await pilot.press("f1")
         await wait_for(pilot, lambda: app.screen.__class__.__name__ == "HelpScreen")
         await _steady(pilot)
