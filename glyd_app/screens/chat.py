@@ -193,15 +193,15 @@ class ChatScreen(Screen[None]):
         if event.id != self.reply_rid:
             return
         view, rid = self.reply_view, self.reply_id
+        if view is not None and rid is not None:
+            await view.finish()
+            status = {"stop": "done", "length": "length", "stopped": "stopped"}.get(event.reason, "interrupted")
+            self.app.store.update_message(rid, content=view.content, status=status)
+            note = FINISH_NOTES.get(status) or (FINISH_NOTES["error"] if status == "interrupted" else "")
+            view.set_note(note)
+        # the reply is over (a new message may be sent) only once the store holds its final state
         self.reply_view = self.reply_id = self.reply_rid = None
         self.query_one(StatsBar).busy = False
-        if view is None or rid is None:
-            return
-        await view.finish()
-        status = {"stop": "done", "length": "length", "stopped": "stopped"}.get(event.reason, "interrupted")
-        self.app.store.update_message(rid, content=view.content, status=status)
-        note = FINISH_NOTES.get(status) or (FINISH_NOTES["error"] if status == "interrupted" else "")
-        view.set_note(note)
         self.query_one("#messages", VerticalScroll).scroll_end(animate=False)
 
     def last_reply(self) -> MessageView | None:

@@ -81,8 +81,12 @@ async def _send(pilot, app: GlydApp, text: str) -> MessageView:  # type: ignore[
     box = app.chat_screen.query_one(ChatInput)
     await type_text(pilot, text)
     await wait_for(pilot, lambda: box.text == text, 10, f"the input holding {text!r} (it holds {box.text!r})")
+    chat_id = app.chat_screen.chat.id  # type: ignore[union-attr]
+    before = len(app.store.messages(chat_id))
     await pilot.press("enter")
-    await wait_for(pilot, lambda: app.chat_screen.busy, 30, "reply started")
+    # the user's message and the reply's row are stored when the reply starts; a short reply can also be over
+    # between two polls, so "busy" alone may never be seen
+    await wait_for(pilot, lambda: len(app.store.messages(chat_id)) >= before + 2, 30, "reply started")
     await wait_for(pilot, lambda: not app.chat_screen.busy, REPLY_TIMEOUT, "reply finished")
     return list(app.query(MessageView))[-1]
 
