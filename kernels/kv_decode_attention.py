@@ -174,6 +174,15 @@ def _decode_half(cache_ptr, cache_w_ptr, arena_ptr, ovf_row_ptr, page_off, row, 
 
 
 @triton.jit
+def _head_tables(tbl_ptr, h, num_kv_heads, D: tl.constexpr, USE_ASM: tl.constexpr):
+    """KV head h's packed tables for K and V (lo, hi words a channel), as [1, D/32, 32] tiles kept in registers."""
+    ch = tl.arange(0, D // 32)[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]
+    tk = tbl_ptr + (h * D + ch) * 2
+    tv = tbl_ptr + ((num_kv_heads + h) * D + ch) * 2
+    return _load_word(tk, USE_ASM), _load_word(tk + 1, USE_ASM), _load_word(tv, USE_ASM), _load_word(tv + 1, USE_ASM)
+
+
+@triton.jit
 def _softmax_step(q, kt, vt, mask, kvalid, m_i, l_i, acc, scale_log2, DOT_F32: tl.constexpr):
     """One tile of keys into the online softmax: scores q·kt masked (mask [rows, T]), P·V with bf16 operands and
     fp32 accumulation; rows of V past the fill (kvalid [T]) are zeroed, since garbage bits may be NaN."""
@@ -217,13 +226,7 @@ def _attn_kernel(q_ptr, out_ptr, part_o_ptr, part_ml_ptr, cache_ptr, cache_w_ptr
     gmask = g < G
     q = tl.load(q_ptr + seq.to(tl.int64) * stride_q0 + (h * G + g)[:, None] * stride_q1 + d[None, :],
                 mask=gmask[:, None], other=0.0).to(tl.bfloat16)
-    ch = tl.arange(0, D // 32)[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]  # [1, W, 32]
-    tk = tbl_ptr + (h * D + ch) * 2
-    tv = tbl_ptr + ((num_kv_heads + h) * D + ch) * 2
-    k_lo = _load_word(tk, USE_ASM)
-    k_hi = _load_word(tk + 1, USE_ASM)
-    v_lo = _load_word(tv, USE_ASM)
-    v_hi = _load_word(tv + 1, USE_ASM)
+    k_lo, k_hi, v_lo, v_hi = _head_tables(tbl_ptr, h, num_kv_heads, D, USE_ASM)
 
     m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -304,6 +307,18 @@ def _check(cache: torch.Tensor, layout: KVPageLayout) -> None:
         raise ValueError("cache must be contiguous")
 
 
+def _check_query(query: torch.Tensor, cache: torch.Tensor, layout: KVPageLayout) -> tuple[int, int]:
+    """The cache and query as the attention kernels need them; returns (KV heads, query heads a KV head)."""
+    _check(cache, layout)
+    _, Hq, D = query.shape
+    H = cache.shape[1]
+    if Hq % H or layout.head_size != D:
+        raise ValueError("query heads must be a multiple of KV heads and the head size must match the layout")
+    if query.dtype != torch.bfloat16 or query.stride(2) != 1:
+        raise ValueError(f"query must be bf16 with contiguous head dims (the pages hold bf16), not {query.dtype}")
+    return H, Hq // H
+
+
 def _overflow_args(overflow: OverflowStore | None, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
     if overflow is None:
         dummy = torch.full((1,), -1, dtype=torch.int32, device=cache.device)
@@ -337,14 +352,10 @@ def kv_decode_attention(query: torch.Tensor, cache: torch.Tensor, layout: KVPage
     num_warps, num_stages, vec (bytes a thread loads along channels: 4 or 16), prefetch (tiles ahead, 0 = off),
     maxnreg (register cap, None = ptxas's choice), ovf_branch (escape bytes from the page by one predicated load
     a value, the overflow arena only under a tile-uniform branch, instead of one load that picks page or arena
-    per value: ~17% fewer SASS instructions in the kernel, not yet timed on a GPU).
+    per value: fewer instructions on the common path, more registers; not yet timed, docs/gpu.md).
     """
-    _check(cache, layout)
+    H, G = _check_query(query, cache, layout)
     S, Hq, D = query.shape
-    H = cache.shape[1]
-    G = Hq // H
-    if Hq % H or layout.head_size != D:
-        raise ValueError("query heads must be a multiple of KV heads and the head size must match the layout")
     if out is None:
         out = torch.empty_like(query)
     if num_splits is None:

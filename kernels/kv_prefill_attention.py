@@ -22,9 +22,9 @@ import triton.language as tl
 from glyd_engine.format.kv_page import KVPageLayout, OverflowStore
 from kernels.kv_decode_attention import (
     _INTERPRET,
-    _check,
+    _check_query,
     _decode_half,
-    _load_word,
+    _head_tables,
     _offsets,
     _overflow_args,
     _softmax_step,
@@ -56,13 +56,7 @@ def _prefill_kernel(q_ptr, out_ptr, cache_ptr, cache_w_ptr, tbl_ptr, ovf_ptr, ar
         q = tl.load(q_ptr + tok[:, None] * stride_q0 + hq[:, None] * stride_q1 + d[None, :], mask=r_ok[:, None],
                     other=0.0).to(tl.bfloat16)
         pos = before + qi  # each row's position: it sees keys 0..pos
-        ch = tl.arange(0, D // 32)[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]  # [1, W, 32]
-        tk = tbl_ptr + (h * D + ch) * 2
-        tv = tbl_ptr + ((num_kv_heads + h) * D + ch) * 2
-        k_lo = _load_word(tk, USE_ASM)
-        k_hi = _load_word(tk + 1, USE_ASM)
-        v_lo = _load_word(tv, USE_ASM)
-        v_hi = _load_word(tv + 1, USE_ASM)
+        k_lo, k_hi, v_lo, v_hi = _head_tables(tbl_ptr, h, num_kv_heads, D, USE_ASM)
         m_i = tl.full([ROWS], -1.0e30, tl.float32)
         l_i = tl.zeros([ROWS], tl.float32)
         acc = tl.zeros([ROWS, D], tl.float32)
@@ -99,14 +93,8 @@ def kv_prefill_attention(query: torch.Tensor, cache: torch.Tensor, layout: KVPag
     `kv_decode_attention`. block_q: query tokens a program (default: 64 rows of query heads, at least 1).
     Returns out [total_q, Hq, D] in query's dtype.
     """
-    _check(cache, layout)
+    H, G = _check_query(query, cache, layout)
     total, Hq, D = query.shape
-    H = cache.shape[1]
-    G = Hq // H
-    if Hq % H or layout.head_size != D:
-        raise ValueError("query heads must be a multiple of KV heads and the head size must match the layout")
-    if query.dtype != torch.bfloat16 or query.stride(2) != 1:
-        raise ValueError(f"query must be bf16 with contiguous head dims (the pages hold bf16), not {query.dtype}")
     S = seq_lens.numel()
     if query_start_loc.numel() != S + 1:
         raise ValueError(f"query_start_loc needs {S + 1} entries for {S} sequences, not {query_start_loc.numel()}")
