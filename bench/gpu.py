@@ -133,9 +133,7 @@ def throughput_model(batches: dict[str, int], attn: dict[str, float], dev: str) 
         r = resident.from_bf16(w)
         plan = rl.escape_plan(r)
         copies = max(1, -(-gpu_linear.ROTATE_BYTES // (2 * n * k)))
-        ws = [w] + [w.clone() for _ in range(copies - 1)]
-        rs = [r] + [resident.ResidentWeight(r.shape, r.sm.clone(), r.offs.clone(), r.base, r.esc_pos.clone(),
-                                            r.esc_bits.clone()) for _ in range(copies - 1)]
+        ws, rs = gpu_linear.rotated_copies(w, r, copies)
         for kind, S in batches.items():
             x = torch.randn(S, k, device=dev, generator=gen).to(torch.bfloat16)
             lin[f"bf16_{name}_b{S}"] = gpu_linear.timed([lambda ww=ww, x=x: torch.matmul(x, ww.T) for ww in ws], True)

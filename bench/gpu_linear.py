@@ -55,6 +55,15 @@ def weight(n: int, k: int, dev: str, gen: torch.Generator) -> torch.Tensor:
     return w.to(torch.bfloat16)
 
 
+def rotated_copies(w: torch.Tensor, r: resident.ResidentWeight, copies: int
+                   ) -> tuple[list[torch.Tensor], list[resident.ResidentWeight]]:
+    """`copies` distinct copies of a weight in bf16 and resident form, timed in turn so none stays in L2."""
+    ws = [w] + [w.clone() for _ in range(copies - 1)]
+    rs = [r] + [resident.ResidentWeight(r.shape, r.sm.clone(), r.offs.clone(), r.base, r.esc_pos.clone(),
+                                        r.esc_bits.clone()) for _ in range(copies - 1)]
+    return ws, rs
+
+
 def timed(fn_list: list, graphs: bool) -> float:  # noqa: ANN001
     """Median ms of one call, the calls of fn_list run back to back (one per weight copy)."""
     import triton.testing as tt
@@ -108,9 +117,7 @@ def main() -> int:
         checks = {"escapes": int(r.esc_pos.numel()), "bits_per_weight": round(r.bits_per_value, 4)}
         checks["decode_bit_exact"] = bool(torch.equal(rl.resident_decode(r).view(torch.int16), w.view(torch.int16)))
         copies = 1 if args.smoke else max(2, -(-ROTATE_BYTES // (2 * n * k)))
-        ws = [w] + [w.clone() for _ in range(copies - 1)]
-        rs = [r] + [resident.ResidentWeight(r.shape, r.sm.clone(), r.offs.clone(), r.base, r.esc_pos.clone(),
-                                            r.esc_bits.clone()) for _ in range(copies - 1)]
+        ws, rs = rotated_copies(w, r, copies)
         for m in rows:
             x = (torch.randn(m, k, device=dev, generator=gen) * 0.5).to(torch.bfloat16)
             ref = x.float() @ w.float().T

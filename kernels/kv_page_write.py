@@ -57,12 +57,19 @@ class WriteCounters:
 
 
 @triton.jit
+def _row_bits(x_ptr, t, ok, stride_x0, D: tl.constexpr):
+    """bf16 rows [TB, D] of tokens t (one head's, x_ptr at its first channel) as int32 bit patterns."""
+    d = tl.arange(0, D)
+    x = tl.load(x_ptr + t.to(tl.int64)[:, None] * stride_x0 + d[None, :], mask=ok[:, None], other=0)
+    return x.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+
+
+@triton.jit
 def _codes(x_ptr, t, ok, tab_ptr, stride_x0, D: tl.constexpr):
     """bf16 rows [TB, D] of tokens t -> (exponent, sign/mantissa, code) int32 against the 7-entry tables,
     loaded once a program."""
     d = tl.arange(0, D)
-    x = tl.load(x_ptr + t.to(tl.int64)[:, None] * stride_x0 + d[None, :], mask=ok[:, None], other=0)
-    bits = x.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    bits = _row_bits(x_ptr, t, ok, stride_x0, D)
     e = (bits >> 7) & 0xFF
     sm = ((bits >> 8) & 0x80) | (bits & 0x7F)
     code = tl.full(e.shape, 7, tl.int32)
@@ -150,7 +157,6 @@ def _write_escapes_kernel(key_ptr, val_ptr, slots_ptr, cache_ptr, count_ptr, sta
             else:
                 base_v += n
     b = tl.arange(0, 8)
-    d = tl.arange(0, D)
     for kv in tl.static_range(2):
         CO = K_CODE if kv == 0 else V_CODE
         ESC = K_ESC if kv == 0 else V_ESC
@@ -161,9 +167,7 @@ def _write_escapes_kernel(key_ptr, val_ptr, slots_ptr, cache_ptr, count_ptr, sta
         f8 = (tl.load(row, mask=ok[:, None], other=0) & tl.load(row + D // 8, mask=ok[:, None], other=0)
               & tl.load(row + 2 * (D // 8), mask=ok[:, None], other=0)).to(tl.int32)
         flags = tl.reshape((f8[:, :, None] >> b[None, None, :]) & 1, (TB, D))
-        x = tl.load((key_ptr if kv == 0 else val_ptr) + h * stride_x1 + t.to(tl.int64)[:, None] * stride_x0
-                    + d[None, :], mask=ok[:, None], other=0)
-        e = (x.to(tl.int16, bitcast=True).to(tl.int32) >> 7) & 0xFF
+        e = (_row_bits((key_ptr if kv == 0 else val_ptr) + h * stride_x1, t, ok, stride_x0, D) >> 7) & 0xFF
         rank = base[:, None] + tl.cumsum(flags, axis=1) - flags  # (byte popcounts instead: no faster, run 15)
         is_esc = flags != 0
         tl.store(page[:, None] + ESC + rank, e.to(tl.uint8), mask=is_esc & (rank < RES))

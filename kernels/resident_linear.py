@@ -275,8 +275,8 @@ def resident_linear(x: torch.Tensor, r: ResidentWeight, plan: EscapePlan, bias: 
     if m > MAX_ROWS:
         raise ValueError(f"{m} rows: the fused kernel takes up to {MAX_ROWS}; decode once and use the bf16 GEMM")
     x = x.contiguous()
-    gemv = m == 1 if gemv is None else gemv
-    tuned = gemv_config(n_rows, cols) if gemv and m == 1 else TENSOR_CORE_CONFIG
+    gemv = m == 1 if gemv is None else (gemv and m == 1)  # the CUDA-core kernel takes one row
+    tuned = gemv_config(n_rows, cols) if gemv else TENSOR_CORE_CONFIG
     block_n, block_kh = block_n or tuned["block_n"], block_kh or tuned["block_kh"]
     splits, num_warps = splits or tuned["splits"], num_warps or tuned["num_warps"]
     n_blocks = triton.cdiv(n_rows, block_n)
@@ -284,12 +284,12 @@ def resident_linear(x: torch.Tensor, r: ResidentWeight, plan: EscapePlan, bias: 
     splits = max(1, min(splits, triton.cdiv(kh, block_kh)))
     kh_split = triton.cdiv(triton.cdiv(kh, splits), block_kh) * block_kh
     splits = triton.cdiv(kh, kh_split)
-    fold = (fold is None or fold) and gemv and m == 1
-    direct = splits == 1 and (fold or not (gemv and m == 1))  # the one split writes y itself
+    fold = (fold is None or fold) and gemv
+    direct = splits == 1 and (fold or not gemv)  # the one split writes y itself
     part = torch.empty(0 if direct else splits, m, n_rows, dtype=torch.float32, device=x.device)
     y = torch.empty(m, n_rows, dtype=torch.bfloat16, device=x.device)
     block_m = max(16, triton.next_power_of_2(m))
-    if gemv and m == 1:
+    if gemv:
         _resident_gemv_kernel[(n_blocks, splits)](
             x.view(torch.int32), x, r.sm.view(torch.int16), r.offs, part, y, plan.rowptr, plan.col, plan.corr,
             n_rows, cols, r.base, kh_split, SPLITS=splits, BLOCK_N=block_n, BLOCK_KH=block_kh, FOLD=fold,
