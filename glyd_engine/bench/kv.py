@@ -39,6 +39,8 @@ def _engine(spec: dict[str, Any]) -> Any:
     glyd = {"kv": spec["mode"]}
     if spec.get("check"):
         glyd["check"] = True
+    if spec.get("kernels"):
+        glyd["kernels"] = spec["kernels"]
     kwargs = dict(model=str(spec["model"]), dtype="bfloat16", enforce_eager=True, seed=0,
                   kv_cache_memory_bytes=int(spec.get("kv_bytes", DEFAULT_KV_BYTES)),
                   max_model_len=int(spec.get("max_model_len", 8192)), additional_config={"glyd": glyd},

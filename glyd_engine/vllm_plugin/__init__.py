@@ -86,8 +86,9 @@ def register() -> None:
 
     from glyd_engine.vllm_plugin import hooks
 
-    if "GLYD" not in AttentionBackendEnum.__members__:
-        register_backend("GLYD", hooks.BACKEND_PATH)
+    for name, path in (("GLYD", hooks.BACKEND_PATH), ("GLYD_TRITON", hooks.TRITON_BACKEND_PATH)):
+        if name not in AttentionBackendEnum.__members__:
+            register_backend(name, path)
     hooks.install(type(current_platform))
     _registered = True
 

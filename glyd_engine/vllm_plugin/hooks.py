@@ -14,7 +14,12 @@ from typing import Any
 
 from glyd_engine.vllm_plugin import settings
 
-BACKEND_PATH = "glyd_engine.vllm_plugin.backend.GlydAttentionBackend"
+BACKEND_PATH = "glyd_engine.vllm_plugin.backend.GlydAttentionBackend"  # torch path (CPU build)
+TRITON_BACKEND_PATH = "glyd_engine.vllm_plugin.triton_backend.GlydTritonAttentionBackend"  # Triton kernels
+
+
+def backend_path(vllm_config: Any) -> str:
+    return TRITON_BACKEND_PATH if settings.kernels(vllm_config) == "triton" else BACKEND_PATH
 _MARK = "_glyd_wrapped"
 
 
@@ -59,7 +64,7 @@ def _wrap_selector(platform_cls: type) -> None:
         if decision.active:
             why = layer_refusal(attn_selector_config)
             if why is None:
-                return BACKEND_PATH
+                return backend_path(cfg)
             raise ValueError(f"Glyd KV cache (kv={decision.asked}) cannot hold this model: "
                              f"it has {why}. {settings.OFF_HINT[0].upper()}{settings.OFF_HINT[1:]}.")
         return original(selected_backend, attn_selector_config, num_heads)

@@ -19,6 +19,10 @@ log = logging.getLogger("vllm.glyd")
 MODES = ("auto", "lossless", "exact", "off")
 ENV_MODE = "GLYD_KV"
 ENV_CHECK = "GLYD_KV_CHECK"  # debug: keep a bf16 shadow of every page and compare each value read
+ENV_KERNELS = "GLYD_KV_KERNELS"
+# What runs the pages: torch (the CPU build: pages decoded, then vLLM's own CPU kernel) or triton (the GPU
+# kernels in kernels/; on the CPU only inside Triton's interpreter, which the tests use). auto: by platform.
+KERNELS = ("auto", "torch", "triton")
 SUPPORTED_VLLM = ">=0.32,<0.34"
 
 # Platforms where the lossless cache is measured at least as fast as vLLM's own (docs/vllm.md, "auto").
@@ -33,6 +37,7 @@ class Decision:
     asked: str  # the mode the user set (auto when unset)
     mode: str  # lossless | exact | off: what runs
     reason: str = ""  # why `auto` kept vLLM's own cache
+    kernels: str = ""  # torch | triton: what runs the pages (active modes)
 
     @property
     def active(self) -> bool:
@@ -65,11 +70,48 @@ def check_enabled(vllm_config: Any = None) -> bool:
     return str(value).strip().lower() in ("1", "true", "yes", "on")
 
 
-def unsupported(vllm_config: Any) -> list[str]:
+def asked_kernels(vllm_config: Any = None) -> str:
+    """`additional_config["glyd"]["kernels"]` or `GLYD_KV_KERNELS`; default auto."""
+    value = glyd_section(vllm_config).get("kernels") if vllm_config is not None else None
+    source = "additional_config glyd.kernels"
+    if value is None:
+        value, source = os.environ.get(ENV_KERNELS) or "auto", ENV_KERNELS
+    value = str(value).strip().lower()
+    if value not in KERNELS:
+        raise ValueError(f"{source}={value!r} is not a Glyd kernel choice; use one of {', '.join(KERNELS)}")
+    return value
+
+
+def kernels(vllm_config: Any = None) -> str:
+    """torch or triton: what runs the pages on this platform (auto: triton on CUDA, torch on the CPU)."""
+    asked = asked_kernels(vllm_config)
+    if asked != "auto":
+        return asked
+    return "triton" if platform_name() == "cuda" else "torch"
+
+
+def _platform_refusal(vllm_config: Any, mode: str) -> str | None:
+    plat = platform_name()
+    if plat not in ("cpu", "cuda"):
+        return f"the lossless cache runs on vLLM's CPU build and on NVIDIA GPUs (CUDA), not on {plat}"
+    use = kernels(vllm_config)
+    if plat == "cuda" and use == "torch":
+        return f"{ENV_KERNELS}=torch is the CPU build's path; on CUDA the Triton kernels run (unset it)"
+    if plat == "cpu" and use == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        return (f"{ENV_KERNELS}=triton on the CPU runs the GPU kernels in Triton's interpreter: set "
+                f"TRITON_INTERPRET=1 (slow; for tests) or unset {ENV_KERNELS}")
+    if mode == "exact" and use == "triton":
+        return ("exact runs vLLM's own attention on decoded pages, which only the CPU build's path does; "
+                "use lossless (every stored value is still exact)")
+    return None
+
+
+def unsupported(vllm_config: Any, mode: str = "lossless") -> list[str]:
     """Why the lossless cache cannot hold this engine's KV (empty: it can). Each item says what to change."""
     why: list[str] = []
-    if platform_name() != "cpu":
-        why.append(f"the lossless cache runs on vLLM's CPU build in this version, not on {platform_name()}")
+    refusal = _platform_refusal(vllm_config, mode)
+    if refusal:
+        why.append(refusal)
     par = getattr(vllm_config, "parallel_config", None)
     if par is not None:
         for attr, name in (("tensor_parallel_size", "tensor"), ("pipeline_parallel_size", "pipeline"),
@@ -118,7 +160,11 @@ def _flag(obj: Any, name: str) -> bool:
 def platform_name() -> str:
     from vllm.platforms import current_platform
 
-    return "cpu" if current_platform.is_cpu() else str(getattr(current_platform, "device_name", "unknown"))
+    if current_platform.is_cpu():
+        return "cpu"
+    if current_platform.is_cuda():
+        return "cuda"
+    return str(getattr(current_platform, "device_name", "unknown"))
 
 
 def decide(vllm_config: Any) -> Decision:
@@ -126,19 +172,19 @@ def decide(vllm_config: Any) -> Decision:
     asked = asked_mode(vllm_config)
     if asked == "off":
         return Decision(asked, "off")
-    why = unsupported(vllm_config)
+    why = unsupported(vllm_config, asked)
     if asked in ("lossless", "exact"):
         if why:
             raise ValueError(f"Glyd KV cache (kv={asked}) cannot run this engine: " + "; ".join(why)
                              + f". Change that, or {OFF_HINT}.")
-        return Decision(asked, asked)
+        return Decision(asked, asked, kernels=kernels(vllm_config))
     if why:
         return Decision(asked, "off", "; ".join(why))
     plat = platform_name()
     if plat not in AUTO_FAST_PLATFORMS:
         return Decision(asked, "off", f"the lossless cache is not measured as fast as vLLM's own on {plat} "
                                       f"(set {ENV_MODE}=lossless to hold ~1.4x the tokens anyway)")
-    return Decision(asked, "lossless")
+    return Decision(asked, "lossless", kernels=kernels(vllm_config))
 
 
 _logged: set[tuple[str, str]] = set()
@@ -151,7 +197,7 @@ def log_decision(d: Decision) -> None:
         return
     _logged.add(key)
     if d.active:
-        log.info("Glyd KV cache: %s (lossless pages, every value exact)", d.mode)
+        log.info("Glyd KV cache: %s (lossless pages, every value exact; %s kernels)", d.mode, d.kernels)
     elif d.asked == "auto":
         log.info("Glyd KV cache: auto keeps vLLM's own KV cache: %s", d.reason)
 

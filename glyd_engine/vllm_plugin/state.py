@@ -103,6 +103,48 @@ class LayerState:
 LAYERS: dict[str, LayerState] = {}
 
 
+def write_shadow(st: LayerState, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Check mode: the step's K/V [T, H, D] into the bf16 shadow at their slots (-1: padding)."""
+    slots = slot_mapping.to(torch.int64)
+    keep = slots >= 0
+    b = st.codec.layout.block_size
+    blk, off = slots[keep] // b, slots[keep] % b
+    st.shadow[blk, :, 0, off] = key[keep]
+    st.shadow[blk, :, 1, off] = value[keep]
+
+
+@dataclass
+class PagesInUse:
+    """The distinct pages a batch's block tables name, each with its fill (rows holding tokens)."""
+
+    blocks: torch.Tensor  # int64 [U], ascending
+    fill: torch.Tensor  # int64 [U]
+    used: torch.Tensor  # bool [S, max_blocks]: table entries below their sequence's length
+    inverse: torch.Tensor  # int64: for each used entry, its index in `blocks`
+
+
+def pages_in_use(table: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> PagesInUse:
+    seq = seq_lens.to(torch.int64)
+    cols = torch.arange(table.shape[1], dtype=torch.int64, device=table.device)
+    fill_all = (seq.view(-1, 1) - cols.view(1, -1) * block_size).clamp(0, block_size)
+    used = fill_all > 0
+    uniq, inverse = torch.unique(table[used].to(torch.int64), return_inverse=True)
+    fill = torch.zeros(uniq.numel(), dtype=torch.int64, device=table.device)
+    fill.scatter_reduce_(0, inverse, fill_all[used], reduce="amax", include_self=False)
+    return PagesInUse(uniq, fill, used, inverse)
+
+
+def compare_read(st: LayerState, blocks: torch.Tensor, valid: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                 ) -> None:
+    """Check mode: every value read (K, V [N, H, B, D]; rows where `valid` [N, 1, B, 1]) against the shadow."""
+    want = st.shadow[blocks.to(st.shadow.device)]  # [N, H, 2, B, D]
+    got = torch.stack([k, v], dim=2).to(want.device)
+    mask = valid.to(want.device).unsqueeze(2).expand_as(got)
+    diff = got.view(torch.int16) != want.view(torch.int16)
+    STATS.values_checked += int(mask.sum())
+    STATS.values_differing += int((diff & mask).sum())
+
+
 def page_view(kv_cache: torch.Tensor, page_bytes: int) -> torch.Tensor:
     """vLLM's per-layer cache [blocks, H, B, C'] (any dtype) -> [blocks, H, page_bytes] uint8, no copy."""
     raw = kv_cache.view(torch.uint8)

@@ -49,6 +49,39 @@ def test_decisions(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "speculative" in settings.decide(spec).reason
 
 
+def test_kernel_choice_by_platform_and_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto picks torch on the CPU and the Triton kernels on CUDA; what cannot run is refused with the fix."""
+    from glyd_engine.vllm_plugin import hooks
+
+    monkeypatch.delenv("GLYD_KV_KERNELS", raising=False)
+    cfg = _config("lossless")
+    assert settings.kernels(cfg) == "torch" and hooks.backend_path(cfg) == hooks.BACKEND_PATH
+    monkeypatch.setattr(settings, "platform_name", lambda: "cuda")
+    assert settings.kernels(cfg) == "triton" and hooks.backend_path(cfg) == hooks.TRITON_BACKEND_PATH
+    assert settings.decide(cfg).mode == "lossless"
+    with pytest.raises(ValueError, match="exact runs vLLM's own attention on decoded pages.*use lossless"):
+        settings.decide(_config("exact"))
+    monkeypatch.setenv("GLYD_KV_KERNELS", "torch")
+    with pytest.raises(ValueError, match="GLYD_KV_KERNELS=torch is the CPU build's path"):
+        settings.decide(cfg)
+    auto = settings.decide(_config())
+    assert auto.mode == "off" and "GLYD_KV_KERNELS=torch" in auto.reason
+    monkeypatch.setattr(settings, "platform_name", lambda: "rocm")
+    monkeypatch.delenv("GLYD_KV_KERNELS")
+    with pytest.raises(ValueError, match="not on rocm.*GLYD_KV=off"):
+        settings.decide(cfg)
+    monkeypatch.setattr(settings, "platform_name", lambda: "cpu")
+    monkeypatch.setenv("GLYD_KV_KERNELS", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="set TRITON_INTERPRET=1"):
+        settings.decide(cfg)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert settings.decide(cfg).mode == "lossless" and hooks.backend_path(cfg) == hooks.TRITON_BACKEND_PATH
+    monkeypatch.setenv("GLYD_KV_KERNELS", "cuda")
+    with pytest.raises(ValueError, match="'cuda' is not a Glyd kernel choice"):
+        settings.kernels(cfg)
+
+
 @pytest.mark.parametrize(("change", "needle"), [
     (lambda c: setattr(c.parallel_config, "tensor_parallel_size", 2), "tensor parallel size 2"),
     (lambda c: setattr(c.parallel_config, "pipeline_parallel_size", 2), "pipeline parallel"),

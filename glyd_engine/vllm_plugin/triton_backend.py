@@ -1,0 +1,160 @@
+"""GLYD on CUDA: vLLM's paged KV cache in the lossless page code, written and read by the Triton kernels.
+
+The pages are the CPU backend's (same spec, same bytes; `backend_base`). Write: `do_kv_cache_update` runs
+the Triton page writer (`kernels.kv_page_write`). Read: `forward` runs the decode kernel for a batch of
+single decode tokens and the varlen prefill kernel for any other batch, both decoding pages in registers
+(`kernels.kv_layer.TritonKVLayer`). The writer reads one overflow counter a step (a host sync), so the
+builder declares no CUDA-graph support: vLLM then runs attention eagerly between its piecewise graphs.
+`GLYD_KV_KERNELS=triton` with TRITON_INTERPRET=1 selects this backend on the CPU build too, which is how the
+tests run it inside the real engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from vllm.config import get_current_vllm_config
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+)
+
+from glyd_engine.vllm_plugin import settings, state
+from glyd_engine.vllm_plugin.backend_base import GlydBackendBase
+
+
+@dataclass
+class GlydTritonMetadata:
+    num_actual_tokens: int
+    max_query_len: int
+    query_start_loc: torch.Tensor  # int32 [S + 1]
+    max_seq_len: int
+    seq_lens: torch.Tensor  # int32 [S]
+    block_table: torch.Tensor  # int32 [S, max_blocks]
+    slot_mapping: torch.Tensor
+
+
+class GlydTritonMetadataBuilder(AttentionMetadataBuilder[GlydTritonMetadata]):
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+
+    def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> GlydTritonMetadata:
+        m = common_attn_metadata
+        return GlydTritonMetadata(m.num_actual_tokens, m.max_query_len, m.query_start_loc, m.max_seq_len,
+                                  m.seq_lens, m.block_table_tensor, m.slot_mapping)
+
+
+class GlydTritonAttentionBackend(GlydBackendBase, AttentionBackend):
+    @staticmethod
+    def get_name() -> str:
+        return "GLYD_TRITON"
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return [64, 128, 256]  # the kernels need a power of two >= 32; 64-256 are tested
+
+    @staticmethod
+    def get_impl_cls() -> type[GlydTritonAttentionImpl]:
+        return GlydTritonAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[GlydTritonMetadataBuilder]:
+        return GlydTritonMetadataBuilder
+
+
+class GlydTritonAttentionImpl(AttentionImpl):
+    """Decoder self-attention over Glyd pages with the Triton kernels (no alibi, window, soft cap or sinks:
+    the selector refuses those layers before this is built)."""
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
+                 alibi_slopes: list[float] | None = None, sliding_window: int | None = None,
+                 kv_cache_dtype: str = "auto", logits_soft_cap: float | None = None,
+                 attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name: str | None = None,
+                 **kwargs: Any) -> None:
+        unsupported = [name for name, v in (("alibi", alibi_slopes), ("sliding window", sliding_window),
+                                            ("logits soft cap", logits_soft_cap), ("sinks", kwargs.get("sinks")))
+                       if v]
+        if unsupported or attn_type != AttentionType.DECODER:
+            what = ", ".join(unsupported) or attn_type
+            raise ValueError(f"Glyd KV cache: the Triton attention does not support {what}; {settings.OFF_HINT}")
+        self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.attn_type = attn_type
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        cfg = get_current_vllm_config()
+        self.check = settings.check_enabled(cfg)
+        self.tables = state.load_tables(cfg.model_config.model)
+
+    def _state(self, layer: Any, kv_cache: torch.Tensor) -> state.LayerState:
+        st = state.LAYERS.get(layer.layer_name)
+        if st is not None and st.data_ptr == kv_cache.data_ptr():
+            return st
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        from kernels.kv_layer import TritonKVLayer
+
+        nb, _, block_size, _ = kv_cache.shape
+        index = extract_layer_index(layer.layer_name)
+        codec = self.tables.codec(index, block_size)
+        pages = state.page_view(kv_cache, codec.layout.page_bytes)
+        kv = TritonKVLayer(codec.layout, self.tables.decode[index], pages)
+        shadow = None
+        if self.check:
+            shadow = torch.zeros(nb, self.num_kv_heads, 2, block_size, self.head_size, dtype=torch.bfloat16,
+                                 device=kv_cache.device)
+        st = state.LayerState(codec, pages, kv.overflow, kv_cache.data_ptr(), shadow, {"kernels": kv})
+        state.LAYERS[layer.layer_name] = st
+        return st
+
+    def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
+                           kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        st = self._state(layer, kv_cache)
+        n = slot_mapping.shape[0]
+        key, value = key[:n], value[:n]
+        kv = st.extra["kernels"]
+        kv.write(key, value, slot_mapping)
+        st.codec.stats.values += 2 * key.numel()
+        st.codec.stats.overflow = kv.writer.counters.overflow_values
+        if st.shadow is not None:
+            state.write_shadow(st, key, value, slot_mapping)
+
+    def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: GlydTritonMetadata | None, output: torch.Tensor,
+                output_scale: torch.Tensor | None = None, output_block_scale: torch.Tensor | None = None,
+                ) -> torch.Tensor:
+        if attn_metadata is None:  # profiling run
+            return output.fill_(0)
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("Glyd KV cache: fused output quantization is not supported")
+        st = self._state(layer, kv_cache)
+        kv = st.extra["kernels"]
+        md = attn_metadata
+        n = md.num_actual_tokens
+        num_reqs = md.seq_lens.shape[0]
+        out = output[:n].view(n, self.num_heads, self.head_size)
+        kv.attend(query[:n].view(n, self.num_heads, self.head_size), out, md.block_table[:num_reqs],
+                  md.seq_lens, md.query_start_loc, md.max_query_len, md.max_seq_len, self.scale)
+        if st.shadow is not None and not state.COMPARE["paused"]:
+            self._check(st, kv, md)
+        return output
+
+    @staticmethod
+    def _check(st: state.LayerState, kv: Any, md: GlydTritonMetadata) -> None:
+        """Check mode: the batch's pages through the kernels' decoder, every row below a page's fill compared."""
+        b = st.codec.layout.block_size
+        use = state.pages_in_use(md.block_table[: md.seq_lens.shape[0]], md.seq_lens, b)
+        blocks, fill = use.blocks, use.fill
+        k, v = kv.read(blocks)
+        state.STATS.pages_decoded += 2 * blocks.numel() * k.shape[1]
+        valid = (torch.arange(b, device=fill.device).view(1, b) < fill.view(-1, 1)).view(-1, 1, b, 1)
+        state.compare_read(st, blocks, valid, k, v)
