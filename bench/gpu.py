@@ -39,6 +39,12 @@ from glyd_engine.format import bf16  # noqa: E402
 from glyd_engine.format.kv_page import ESCAPE, KVPageLayout, encode_table  # noqa: E402
 from glyd_engine.tables.build import counts_to_tables  # noqa: E402
 from kernels.kv_decode_attention import decode_pages, kv_decode_attention, num_splits_for, pack_tables  # noqa: E402
+from kernels.kv_decode_swar import (  # noqa: E402
+    decode_pages_swar,
+    kv_decode_attention_swar,
+    pack_bases,
+    write_pages_swar,
+)
 from kernels.kv_page_write import DeviceOverflowStore, PageWriter  # noqa: E402
 from kernels.kv_prefill_attention import kv_prefill_attention, reference_prefill_attention  # noqa: E402
 
@@ -88,6 +94,17 @@ class Source:
         per_token = (1 - top / c.sum(-1)).sum(-1)  # [1, 2, H]: mean escapes a token
         res = [max(1, math.ceil(margin * float(per_token[0, kv].max()))) for kv in (0, 1)]
         return decode[0], res[0], res[1]
+
+
+def window_bases(src: Source) -> torch.Tensor:
+    """uint8 [2, H, D]: each channel's 7-exponent window (top exponent, >= 7) holding the most sample values."""
+    out = torch.zeros(2, H, D, dtype=torch.uint8)
+    for kv, x in enumerate((src.k, src.v)):
+        e, _ = bf16.split(x.cpu())
+        c = torch.nn.functional.one_hot(e.to(torch.int64), 256).sum(0).cumsum(-1)  # [H, D, 256]
+        win = c[..., 6:] - torch.cat([torch.zeros_like(c[..., :1]), c[..., :-7]], -1)  # window ending at 6..255
+        out[kv] = (win.argmax(-1) + 6).clamp(min=7).to(torch.uint8)
+    return out
 
 
 def _reserve_bytes_via_cpu(orig):  # noqa: ANN001, ANN202
@@ -290,6 +307,8 @@ def main() -> None:  # noqa: C901, PLR0915
     ap.add_argument("--kv-gib", type=float, default=100.0, help="KV memory of the throughput model (both caches)")
     ap.add_argument("--no-model", action="store_true", help="skip the throughput model")
     ap.add_argument("--only-prefill", action="store_true", help="stop after the prefill / mixed-batch section")
+    ap.add_argument("--swar", action="store_true", help="also time the SWAR layout experiment (kernels/kv_decode_swar)")
+    ap.add_argument("--no-writes", action="store_true", help="skip the page-write sweep")
     args = ap.parse_args()
     out = Path(args.out) if args.out else None
     if out:
@@ -374,6 +393,31 @@ def main() -> None:  # noqa: C901, PLR0915
                  "values": writer.counters.values}, out)
     print(f"pool: {nblocks} blocks in {time.time() - t0:.1f} s; overflow values {writer.counters.overflow_values} "
           f"({ovf.runs_in_use} runs, {ovf.bytes_held} B) of {writer.counters.values}")
+
+    swar = None
+    if args.swar:  # the same K/V in the experiment's layout: window tables, transposed code words, no escapes
+        bases = window_bases(src)
+        swar_cache = torch.zeros_like(cache)
+        esc = 0
+        for b0 in range(0, nblocks, chunk_blocks):
+            nb = min(chunk_blocks, nblocks - b0)
+            slots = torch.arange(b0 * B, (b0 + nb) * B, device=dev)
+            esc += write_pages_swar(swar_cache, lay, bases.to(dev), k_pool[b0 : b0 + nb].reshape(-1, H, D),
+                                    v_pool[b0 : b0 + nb].reshape(-1, H, D), slots)
+        swar = (swar_cache, pack_bases(bases).to(dev))
+        ids = torch.randperm(nblocks, generator=gen)[:4096].to(dev)
+        dk, dv = decode_pages_swar(swar_cache, lay, swar[1], ids)
+        ok = True
+        for kv, (got, pool) in enumerate(((dk, k_pool), (dv, v_pool))):
+            want = pool[ids].transpose(1, 2)
+            e = (want.view(torch.int16).to(torch.int32) >> 7) & 0xFF
+            inwin = (bases[kv].to(dev).view(1, H, 1, D).to(torch.int32) - e).clamp(-1, 7).lt(7) & (
+                bases[kv].to(dev).view(1, H, 1, D).to(torch.int32) >= e)
+            ok &= bool(torch.equal(got.view(torch.int16)[inwin], want.view(torch.int16)[inwin]))
+        info_swar = {"escaped_values": esc, "escape_rate": esc / (2 * nblocks * B * H * D),
+                     "fast_path_bit_exact_4096_pages": ok}
+        print("swar", info_swar)
+        log("swar_layout", info_swar, out)
 
     # --- correctness ---------------------------------------------------------------------------------
     checks: dict[str, object] = {}
@@ -485,6 +529,18 @@ def main() -> None:  # noqa: C901, PLR0915
         print("tune", name, tune[name], flush=True)
     print(f"tune (ms at batch {S} x {L}):", tune)
     log("tune", tune, out)
+    swar_cfg = {}
+    if swar is not None:
+        for w, st, pf in ((2, 1, False), (2, 1, True), (4, 1, True), (1, 1, False), (1, 1, True), (2, 2, False)):
+            try:
+                swar_cfg[(w, st, pf)] = bench_fn(lambda w=w, st=st, pf=pf: kv_decode_attention_swar(
+                    q, swar[0], lay, swar[1], bt, lens, L, scale, out=o, num_warps=w, num_stages=st, prefetch=pf),
+                    True)
+            except Exception as exc:  # noqa: BLE001
+                swar_cfg[(w, st, pf)] = repr(exc)[:200]
+            print("swar tune", (w, st, pf), swar_cfg[(w, st, pf)], flush=True)
+        log("swar_tune", {f"w{w}s{st}f{int(pf)}": v for (w, st, pf), v in swar_cfg.items()}, out)
+        swar_best = min((k for k in swar_cfg if isinstance(swar_cfg[k], float)), key=lambda k: swar_cfg[k])
     best = min((k for k in tune if isinstance(tune[k], float)), key=lambda k: tune[k])
     cfg = configs[[cfg_name(c) for c in configs].index(best)]
     pages = cfg[0]
@@ -541,6 +597,14 @@ def main() -> None:  # noqa: C901, PLR0915
                 row["sdpa_ms"] = bench_fn(sdpa, True) / len(sd)
                 del sd
                 row["speedup_vs_vllm"] = row.get("vllm_ms", float("nan")) / row["ours_ms"]
+                if swar is not None:
+                    w, st, pf = swar_best
+                    sf = [lambda q=q, bt=bt, lens=lens, o=o, L=L, w=w, st=st, pf=pf: kv_decode_attention_swar(
+                        q, swar[0], lay, swar[1], bt, lens, L, scale, out=o, num_warps=w, num_stages=st, prefetch=pf)
+                        for (bt, lens, q), o in zip(cases, outs, strict=True)]
+                    row["swar_ms"] = bench_fn(lambda sf=sf: [f() for f in sf], True) / rot
+                    row["swar_vs_vllm"] = row.get("vllm_ms", float("nan")) / row["swar_ms"]
+                    row["swar_frac_copy"] = comp_bytes / row["swar_ms"] / 1e9 / copy_tbs
                 row["ours_frac_copy"] = row["ours_TBps"] / copy_tbs
             except Exception as exc:  # noqa: BLE001
                 row["error"] = repr(exc)[:300]
@@ -549,6 +613,14 @@ def main() -> None:  # noqa: C901, PLR0915
             rows.append(row)
             print("row", {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()})
             log("rows", rows, out)
+
+    if swar is not None:
+        print("\n== SWAR layout experiment (escapes not decoded: the fast path's cost) vs vLLM, same runs")
+        for r in rows:
+            if "swar_ms" in r:
+                print(f"{r['batch']:>5} {r['context']:>6} swar {r['swar_ms']:.4f} ms  vllm {r.get('vllm_ms', 0):.4f}"
+                      f"  x vllm {r['swar_vs_vllm']:.2f}  %copy {100 * r['swar_frac_copy']:.0f}%  (current "
+                      f"{r['speedup_vs_vllm']:.2f}x)")
 
     if model_batches is not None:
         model: dict[str, object] = {"kv_gib": args.kv_gib, "context": MODEL_CONTEXT, "batches": model_batches}
@@ -576,6 +648,8 @@ def main() -> None:  # noqa: C901, PLR0915
     # byte against the default writer; the first pass alone too), and 128 single decode tokens
     writes: dict[str, object] = {}
     try:
+        if args.no_writes:
+            raise RuntimeError("skipped (--no-writes)")
         T = 32768
         k, v = src.draw(T)
         slots = torch.arange(T, device=dev)

@@ -1,0 +1,246 @@
+"""EXPERIMENT (not used by the backend): decode attention over a proposed KV page layout decoded 4 values a word.
+
+Why: `kv_decode_attention` spends ~49 thread instructions a decoded value (docs/gpu.md); the speed bars need
+~5-7. This kernel measures what the fast path costs when the page layout is made for word-wide (SWAR) decoding:
+
+- exponent tables are windows: code c in 0..6 stands for exponent base - c (one base byte a channel), so four
+  exponents are one byte-wise subtraction `BASE4 - C4` instead of four table lookups (on the demo model's K/V a
+  7-wide window escapes as often as the 7 most frequent exponents: 2.2-3.3% against 2.2-3.3%);
+- code planes keep their bytes but each 32-bit word holds its 32 channels transposed: bit 8b + j of plane p's
+  word k is bit p of channel 32k + 4j + b, so the codes of channels 4j..4j+3 come out as bytes with one rotate
+  and one mask a plane.
+
+A program holds [T tokens, W = D/32 groups, 8 words] tiles of sign/mantissa words (4 channels each); per word:
+C4 from the three planes, E4 = BASE4 - C4, the two bf16 pairs by byte permutes (`prmt`), then the pairs are
+joined into the [T, D] tile for the dot (channel = 32 g + 4 j + 2 h + half). ESCAPES ARE NOT DECODED: code 7
+comes out as base - 7. That is the point of the experiment (the fast path's cost, an upper bound on speed);
+`decode_pages_swar` and the test check the fast path bit for bit on pages without escapes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from glyd_engine.format.kv_page import KVPageLayout
+from kernels.kv_decode_attention import _check_query, _merge_kernel, _prefetch_l2, _softmax_step, num_splits_for
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_HI_BITS: tl.constexpr = tl.constexpr(-0x7F7F7F80)  # 0x80808080 as an int32: each byte's top bit
+
+
+@triton.jit
+def _rotr(x, s, USE_ASM: tl.constexpr):
+    """x rotated right by s (0..31) bits."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise("shf.r.wrap.b32 $0, $1, $1, $2;", "=r,r,r", [x, s], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+    else:
+        u = x.to(tl.uint32, bitcast=True)
+        r = (u >> s.to(tl.uint32)) | (u << ((32 - s) % 32).to(tl.uint32))
+        return r.to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _pairs(lo4, hi4, USE_ASM: tl.constexpr):
+    """Low/high bf16 bytes of 4 channels (byte b = channel b) -> two words of bf16 pairs (channels 0,1 and 2,3)."""
+    if USE_ASM:
+        p01 = tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x5140;", "=r,r,r", [lo4, hi4], dtype=tl.int32,
+                                        is_pure=True, pack=1)
+        p23 = tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x7362;", "=r,r,r", [lo4, hi4], dtype=tl.int32,
+                                        is_pure=True, pack=1)
+    else:
+        p01 = (lo4 & 0xFF) | ((hi4 & 0xFF) << 8) | ((lo4 & 0xFF00) << 8) | ((hi4 & 0xFF00) << 16)
+        p23 = ((lo4 >> 16) & 0xFF) | (((hi4 >> 16) & 0xFF) << 8) | (((lo4 >> 24) & 0xFF) << 16) | (
+            ((hi4 >> 24) & 0xFF) << 24)
+    return p01, p23
+
+
+@triton.jit
+def _decode_swar(page_w, base4, T: tl.constexpr, SM_W: tl.constexpr, CODE_W: tl.constexpr, D: tl.constexpr,
+                 USE_ASM: tl.constexpr):
+    """Rows 0..T-1 of one page's K or V (page_w: the page's first int32 word) -> [T, D] bf16 (escapes not decoded)."""
+    W: tl.constexpr = D // 32
+    CW: tl.constexpr = 3 * D // 32  # code words a row
+    t = tl.arange(0, T)[:, None, None]
+    g = tl.arange(0, W)[None, :, None]
+    j = tl.arange(0, 8)[None, None, :]
+    s4 = tl.load(page_w + SM_W + t * (D // 4) + g * 8 + j)  # [T, W, 8]
+    t2 = tl.arange(0, T)[:, None]
+    g2 = tl.arange(0, W)[None, :]
+    p0 = tl.load(page_w + CODE_W + t2 * CW + g2)[:, :, None]  # [T, W, 1]
+    p1 = tl.load(page_w + CODE_W + t2 * CW + W + g2)[:, :, None]
+    p2 = tl.load(page_w + CODE_W + t2 * CW + 2 * W + g2)[:, :, None]
+    c4 = ((_rotr(p0, j, USE_ASM) & 0x01010101) | (_rotr(p1, (j + 31) % 32, USE_ASM) & 0x02020202)
+          | (_rotr(p2, (j + 30) % 32, USE_ASM) & 0x04040404))
+    e4 = base4 - c4  # bytes: base >= 7 >= code, no borrow
+    lo4 = ((e4 << 7) & _HI_BITS) | (s4 & 0x7F7F7F7F)  # e bit 0, then the mantissa
+    hi4 = (s4 & _HI_BITS) | ((e4 >> 1) & 0x7F7F7F7F)  # sign, then e bits 7..1
+    p01, p23 = _pairs(lo4, hi4, USE_ASM)
+    pairs = tl.join(p01, p23)  # [T, W, 8, 2]
+    vals = tl.join((pairs & 0xFFFF).to(tl.int16), (pairs >> 16).to(tl.int16))  # [T, W, 8, 2, 2]
+    return tl.reshape(vals, (T, D)).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _attn_swar_kernel(q_ptr, out_ptr, part_o_ptr, part_ml_ptr, cache_w_ptr, base_ptr, block_table_ptr,
+                      seq_lens_ptr, scale_log2, stride_q0, stride_q1, stride_o0, stride_o1, bt_stride, page_words,
+                      num_kv_heads, pages_per_split, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+                      B: tl.constexpr, K_SM: tl.constexpr, V_SM: tl.constexpr, K_CODE: tl.constexpr,
+                      V_CODE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_F32: tl.constexpr, USE_ASM: tl.constexpr,
+                      PREFETCH: tl.constexpr, PAGE_LINES: tl.constexpr):
+    seq = tl.program_id(0)
+    h = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    n_pages = tl.cdiv(seq_len, B)
+    p_start = split * pages_per_split
+    p_end = tl.minimum(n_pages, p_start + pages_per_split)
+    d = tl.arange(0, D)
+    g = tl.arange(0, BLOCK_G)
+    gmask = g < G
+    q = tl.load(q_ptr + seq.to(tl.int64) * stride_q0 + (h * G + g)[:, None] * stride_q1 + d[None, :],
+                mask=gmask[:, None], other=0.0).to(tl.bfloat16)
+    W: tl.constexpr = D // 32
+    wi = tl.arange(0, W)[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]  # [1, W, 8]: word index in D/4
+    k_base = tl.load(base_ptr + h * (D // 4) + wi)
+    v_base = tl.load(base_ptr + (num_kv_heads + h) * (D // 4) + wi)
+    m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, D], tl.float32)
+    row = tl.arange(0, B)
+    head_w = cache_w_ptr + h * page_words
+    bt_row = block_table_ptr + seq.to(tl.int64) * bt_stride
+    for p in range(p_start, p_end):
+        blk = tl.load(bt_row + p).to(tl.int64)
+        page_w = head_w + blk * num_kv_heads * page_words  # the page's first word (a scalar pointer)
+        valid = p * B + row < seq_len
+        if PREFETCH:  # the next page into L2 while this one decodes (a 128-byte line a lane)
+            nxt = tl.load(bt_row + p + 1, mask=p + 1 < p_end, other=0).to(tl.int64)
+            lines = tl.arange(0, PAGE_LINES)
+            ok = (lines * 32 < page_words) & (p + 1 < p_end)
+            _prefetch_l2(head_w + nxt * num_kv_heads * page_words + lines * 32, ok)
+        kt = _decode_swar(page_w, k_base, B, K_SM // 4, K_CODE // 4, D, USE_ASM)
+        vt = _decode_swar(page_w, v_base, B, V_SM // 4, V_CODE // 4, D, USE_ASM)
+        m_i, l_i, acc = _softmax_step(q, kt, vt, valid[None, :], valid, m_i, l_i, acc, scale_log2, DOT_F32)
+    hq = h * G + g
+    o = acc / tl.maximum(l_i, 1e-30)[:, None]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + seq.to(tl.int64) * stride_o0 + hq[:, None] * stride_o1 + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
+    else:
+        row_id = (seq.to(tl.int64) * (num_kv_heads * G) + hq) * NUM_SPLITS + split
+        tl.store(part_o_ptr + row_id[:, None] * D + d[None, :], o, mask=gmask[:, None])
+        tl.store(part_ml_ptr + row_id * 2, m_i, mask=gmask)
+        tl.store(part_ml_ptr + row_id * 2 + 1, l_i, mask=gmask)
+
+
+@triton.jit
+def _decode_pages_swar_kernel(cache_w_ptr, base_ptr, blocks_ptr, out_k_ptr, out_v_ptr, page_words, num_kv_heads,
+                              D: tl.constexpr, B: tl.constexpr, K_SM: tl.constexpr, V_SM: tl.constexpr,
+                              K_CODE: tl.constexpr, V_CODE: tl.constexpr, USE_ASM: tl.constexpr):
+    n = tl.program_id(0)
+    h = tl.program_id(1)
+    row = tl.arange(0, B)
+    d = tl.arange(0, D)
+    blk = tl.load(blocks_ptr + n).to(tl.int64)
+    page_w = cache_w_ptr + (blk * num_kv_heads + h) * page_words
+    wi = tl.arange(0, D // 32)[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
+    kt = _decode_swar(page_w, tl.load(base_ptr + h * (D // 4) + wi), B, K_SM // 4, K_CODE // 4, D, USE_ASM)
+    vt = _decode_swar(page_w, tl.load(base_ptr + (num_kv_heads + h) * (D // 4) + wi), B, V_SM // 4, V_CODE // 4,
+                      D, USE_ASM)
+    o = ((n * num_kv_heads + h) * B + row[:, None]) * D + d[None, :]
+    tl.store(out_k_ptr + o, kt)
+    tl.store(out_v_ptr + o, vt)
+
+
+def decode_pages_swar(cache: torch.Tensor, layout: KVPageLayout, bases: torch.Tensor, blocks: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(K, V) [N, H, B, D] bf16 of these pages through the experiment's decoder (bit checks of the fast path)."""
+    H, B, D = cache.shape[1], layout.block_size, layout.head_size
+    n = blocks.numel()
+    out_k = torch.empty(n, H, B, D, dtype=torch.bfloat16, device=cache.device)
+    out_v = torch.empty_like(out_k)
+    _decode_pages_swar_kernel[(n, H)](cache.view(-1).view(torch.int32), bases, blocks.to(torch.int32), out_k, out_v,
+                                      layout.page_bytes // 4, H, D=D, B=B, K_SM=layout.sm_offset(0),
+                                      V_SM=layout.sm_offset(1), K_CODE=layout.code_offset(0),
+                                      V_CODE=layout.code_offset(1), USE_ASM=not _INTERPRET)
+    return out_k, out_v
+
+
+def pack_bases(bases: torch.Tensor) -> torch.Tensor:
+    """uint8 [2, H, D] window tops -> int32 [2, H, D/4] (byte b of word w = channel 4w + b)."""
+    if int(bases.min()) < 7:
+        raise ValueError("a window's top exponent must be at least 7 (codes 0..7 subtract without borrow)")
+    return bases.contiguous().view(torch.int32)
+
+
+def kv_decode_attention_swar(query: torch.Tensor, cache: torch.Tensor, layout: KVPageLayout, bases: torch.Tensor,
+                             block_table: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int, scale: float,
+                             out: torch.Tensor | None = None, num_splits: int | None = None, num_warps: int = 2,
+                             num_stages: int = 1, prefetch: bool = False) -> torch.Tensor:
+    """As `kv_decode_attention`, on pages of the proposed layout, escapes not decoded (see the module docstring).
+    bases: int32 [2, H, D/4] from `pack_bases`."""
+    H, G = _check_query(query, cache, layout)
+    S, Hq, D = query.shape
+    if out is None:
+        out = torch.empty_like(query)
+    if num_splits is None:
+        num_splits = num_splits_for(S, H, max_seq_len, layout.block_size, 1)
+    max_pages = triton.cdiv(max(1, max_seq_len), layout.block_size)
+    pages_per_split = triton.cdiv(max_pages, num_splits)
+    if num_splits > 1:
+        part_o = torch.empty(S * Hq * num_splits * D, dtype=torch.float32, device=query.device)
+        part_ml = torch.empty(S * Hq * num_splits * 2, dtype=torch.float32, device=query.device)
+    else:
+        part_o = part_ml = out
+    _attn_swar_kernel[(S, H, num_splits)](
+        query, out, part_o, part_ml, cache.view(-1).view(torch.int32), bases, block_table, seq_lens,
+        scale * 1.4426950408889634, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        block_table.stride(0), layout.page_bytes // 4, H, pages_per_split, G=G,
+        BLOCK_G=max(16, triton.next_power_of_2(G)), D=D, B=layout.block_size, K_SM=layout.sm_offset(0),
+        V_SM=layout.sm_offset(1), K_CODE=layout.code_offset(0), V_CODE=layout.code_offset(1),
+        NUM_SPLITS=num_splits, DOT_F32=_INTERPRET, USE_ASM=not _INTERPRET, PREFETCH=prefetch and not _INTERPRET,
+        PAGE_LINES=triton.next_power_of_2(triton.cdiv(layout.page_bytes, 128)), num_warps=num_warps,
+        num_stages=num_stages)
+    if num_splits > 1:
+        _merge_kernel[(S, Hq)](out, part_o, part_ml, out.stride(0), out.stride(1), Hq, D=D,
+                               NUM_SPLITS=num_splits, S_PAD=max(2, triton.next_power_of_2(num_splits)))
+    return out
+
+
+def write_pages_swar(cache: torch.Tensor, layout: KVPageLayout, bases: torch.Tensor, key: torch.Tensor,
+                     value: torch.Tensor, slots: torch.Tensor) -> int:
+    """Torch writer of the proposed layout for the experiment (no escape area written). bases uint8 [2, H, D];
+    key/value [T, H, D] bf16 at slots. Returns how many values escaped (those would need the escape path)."""
+    B, D = layout.block_size, layout.head_size
+    T, H, _ = key.shape
+    dev = key.device
+    slots = slots.to(torch.int64)
+    blk, off = slots // B, slots % B
+    ch = torch.arange(D, device=dev)
+    bitpos = ((ch % 4) * 8 + (ch % 32) // 4).to(torch.int64)  # channel 32k + 4j + b sits at bit 8b + j
+    bi, hi = blk.view(T, 1, 1), torch.arange(H, device=dev).view(1, H, 1)
+    escaped = 0
+    for kv, x in ((0, key), (1, value)):
+        bits = x.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+        e = (bits >> 7) & 0xFF
+        sm = ((bits >> 8) & 0x80) | (bits & 0x7F)
+        c = bases[kv].to(torch.int32).unsqueeze(0) - e  # [T, H, D]
+        esc = (c < 0) | (c > 6)
+        escaped += int(esc.sum())
+        c = torch.where(esc, torch.full_like(c, 7), c)
+        cache[bi, hi, layout.sm_offset(kv) + off.view(T, 1, 1) * D + ch.view(1, 1, D)] = sm.to(torch.uint8)
+        for p in range(3):
+            words = torch.zeros(T, H, D // 32, dtype=torch.int64, device=dev)
+            words.scatter_add_(2, (ch // 32).expand(T, H, D), ((c >> p) & 1).to(torch.int64) << bitpos)
+            w32 = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).contiguous()
+            col = layout.code_offset(kv) + off.view(T, 1, 1) * layout.code_bytes + p * (D // 8)
+            cache[bi, hi, col + torch.arange(D // 8, device=dev).view(1, 1, -1)] = w32.view(torch.uint8).view(T, H, -1)
+    return escaped
+
+
+__all__ = ["decode_pages_swar", "kv_decode_attention_swar", "pack_bases", "write_pages_swar"]
