@@ -204,6 +204,43 @@ def _softmax_step(q, kt, vt, mask, kvalid, m_i, l_i, acc, scale_log2, DOT_F32: t
 
 
 @triton.jit
+def _program_setup(q_ptr, seq_lens_ptr, stride_q0, stride_q1, pages_per_split, G: tl.constexpr,
+                   BLOCK_G: tl.constexpr, D: tl.constexpr, B: tl.constexpr):
+    """A decode program's (sequence, KV head, split), its page range and its G query rows (padded to BLOCK_G)."""
+    seq = tl.program_id(0)
+    h = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    p_start = split * pages_per_split
+    p_end = tl.minimum(tl.cdiv(seq_len, B), p_start + pages_per_split)
+    d = tl.arange(0, D)
+    g = tl.arange(0, BLOCK_G)
+    gmask = g < G
+    q = tl.load(q_ptr + seq.to(tl.int64) * stride_q0 + (h * G + g)[:, None] * stride_q1 + d[None, :],
+                mask=gmask[:, None], other=0.0).to(tl.bfloat16)
+    return seq, h, split, seq_len, p_start, p_end, q
+
+
+@triton.jit
+def _store_result(out_ptr, part_o_ptr, part_ml_ptr, acc, m_i, l_i, seq, h, split, stride_o0, stride_o1, num_kv_heads,
+                  G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """The program's rows: the output itself, or with a context split its (o / l, m, l) for `_merge_kernel`."""
+    d = tl.arange(0, D)
+    g = tl.arange(0, BLOCK_G)
+    gmask = g < G
+    hq = h * G + g
+    o = acc / tl.maximum(l_i, 1e-30)[:, None]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + seq.to(tl.int64) * stride_o0 + hq[:, None] * stride_o1 + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
+    else:
+        row_id = (seq.to(tl.int64) * (num_kv_heads * G) + hq) * NUM_SPLITS + split
+        tl.store(part_o_ptr + row_id[:, None] * D + d[None, :], o, mask=gmask[:, None])
+        tl.store(part_ml_ptr + row_id * 2, m_i, mask=gmask)
+        tl.store(part_ml_ptr + row_id * 2 + 1, l_i, mask=gmask)
+
+
+@triton.jit
 def _attn_kernel(q_ptr, out_ptr, part_o_ptr, part_ml_ptr, cache_ptr, cache_w_ptr, tbl_ptr, ovf_ptr, arena_ptr,
                  block_table_ptr, seq_lens_ptr, scale_log2, stride_q0, stride_q1, stride_o0, stride_o1,
                  bt_stride, page_bytes, num_kv_heads, pages_per_split,
@@ -212,20 +249,9 @@ def _attn_kernel(q_ptr, out_ptr, part_o_ptr, part_ml_ptr, cache_ptr, cache_w_ptr
                  K_ESC: tl.constexpr, V_ESC: tl.constexpr, K_RES: tl.constexpr, V_RES: tl.constexpr,
                  NUM_SPLITS: tl.constexpr, CHECK_OVF: tl.constexpr, DOT_F32: tl.constexpr,
                  USE_ASM: tl.constexpr, VEC: tl.constexpr, PREFETCH: tl.constexpr, OVF_BRANCH: tl.constexpr):
-    seq = tl.program_id(0)
-    h = tl.program_id(1)
-    split = tl.program_id(2)
     T: tl.constexpr = PAGES * B
-    seq_len = tl.load(seq_lens_ptr + seq)
-    n_pages = tl.cdiv(seq_len, B)
-    p_start = split * pages_per_split
-    p_end = tl.minimum(n_pages, p_start + pages_per_split)
-
-    d = tl.arange(0, D)
-    g = tl.arange(0, BLOCK_G)
-    gmask = g < G
-    q = tl.load(q_ptr + seq.to(tl.int64) * stride_q0 + (h * G + g)[:, None] * stride_q1 + d[None, :],
-                mask=gmask[:, None], other=0.0).to(tl.bfloat16)
+    seq, h, split, seq_len, p_start, p_end, q = _program_setup(q_ptr, seq_lens_ptr, stride_q0, stride_q1,
+                                                               pages_per_split, G, BLOCK_G, D, B)
     k_lo, k_hi, v_lo, v_hi = _head_tables(tbl_ptr, h, num_kv_heads, D, USE_ASM)
 
     m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)
@@ -256,18 +282,8 @@ def _attn_kernel(q_ptr, out_ptr, part_o_ptr, part_ml_ptr, cache_ptr, cache_w_ptr
         vt = _decode_half(cache_ptr, cache_w_ptr, arena_ptr, ovf_head + ob, page_off, row, valid, v_lo, v_hi,
                           1, V_SM, V_CODE, V_ESC, V_RES, B, D, PAGES, CHECK_OVF, USE_ASM, VEC, OVF_BRANCH)
         m_i, l_i, acc = _softmax_step(q, kt, vt, valid[None, :], valid, m_i, l_i, acc, scale_log2, DOT_F32)
-
-    hq = h * G + g
-    if NUM_SPLITS == 1:
-        o = acc / tl.maximum(l_i, 1e-30)[:, None]
-        tl.store(out_ptr + seq.to(tl.int64) * stride_o0 + hq[:, None] * stride_o1 + d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
-    else:
-        o = acc / tl.maximum(l_i, 1e-30)[:, None]
-        row_id = (seq.to(tl.int64) * (num_kv_heads * G) + hq) * NUM_SPLITS + split
-        tl.store(part_o_ptr + row_id[:, None] * D + d[None, :], o, mask=gmask[:, None])
-        tl.store(part_ml_ptr + row_id * 2, m_i, mask=gmask)
-        tl.store(part_ml_ptr + row_id * 2 + 1, l_i, mask=gmask)
+    _store_result(out_ptr, part_o_ptr, part_ml_ptr, acc, m_i, l_i, seq, h, split, stride_o0, stride_o1, num_kv_heads,
+                  G, BLOCK_G, D, NUM_SPLITS)
 
 
 @triton.jit

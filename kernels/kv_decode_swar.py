@@ -26,7 +26,15 @@ import triton
 import triton.language as tl
 
 from glyd_engine.format.kv_page import KVPageLayout
-from kernels.kv_decode_attention import _check_query, _merge_kernel, _prefetch_l2, _softmax_step, num_splits_for
+from kernels.kv_decode_attention import (
+    _check_query,
+    _merge_kernel,
+    _prefetch_l2,
+    _program_setup,
+    _softmax_step,
+    _store_result,
+    num_splits_for,
+)
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _HI_BITS: tl.constexpr = tl.constexpr(-0x7F7F7F80)  # 0x80808080 as an int32: each byte's top bit
@@ -92,18 +100,8 @@ def _attn_swar_kernel(q_ptr, out_ptr, part_o_ptr, part_ml_ptr, cache_w_ptr, base
                       B: tl.constexpr, K_SM: tl.constexpr, V_SM: tl.constexpr, K_CODE: tl.constexpr,
                       V_CODE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_F32: tl.constexpr, USE_ASM: tl.constexpr,
                       PREFETCH: tl.constexpr, PAGE_LINES: tl.constexpr):
-    seq = tl.program_id(0)
-    h = tl.program_id(1)
-    split = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    n_pages = tl.cdiv(seq_len, B)
-    p_start = split * pages_per_split
-    p_end = tl.minimum(n_pages, p_start + pages_per_split)
-    d = tl.arange(0, D)
-    g = tl.arange(0, BLOCK_G)
-    gmask = g < G
-    q = tl.load(q_ptr + seq.to(tl.int64) * stride_q0 + (h * G + g)[:, None] * stride_q1 + d[None, :],
-                mask=gmask[:, None], other=0.0).to(tl.bfloat16)
+    seq, h, split, seq_len, p_start, p_end, q = _program_setup(q_ptr, seq_lens_ptr, stride_q0, stride_q1,
+                                                               pages_per_split, G, BLOCK_G, D, B)
     W: tl.constexpr = D // 32
     wi = tl.arange(0, W)[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]  # [1, W, 8]: word index in D/4
     k_base = tl.load(base_ptr + h * (D // 4) + wi)
@@ -126,16 +124,8 @@ def _attn_swar_kernel(q_ptr, out_ptr, part_o_ptr, part_ml_ptr, cache_w_ptr, base
         kt = _decode_swar(page_w, k_base, B, K_SM // 4, K_CODE // 4, D, USE_ASM)
         vt = _decode_swar(page_w, v_base, B, V_SM // 4, V_CODE // 4, D, USE_ASM)
         m_i, l_i, acc = _softmax_step(q, kt, vt, valid[None, :], valid, m_i, l_i, acc, scale_log2, DOT_F32)
-    hq = h * G + g
-    o = acc / tl.maximum(l_i, 1e-30)[:, None]
-    if NUM_SPLITS == 1:
-        tl.store(out_ptr + seq.to(tl.int64) * stride_o0 + hq[:, None] * stride_o1 + d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
-    else:
-        row_id = (seq.to(tl.int64) * (num_kv_heads * G) + hq) * NUM_SPLITS + split
-        tl.store(part_o_ptr + row_id[:, None] * D + d[None, :], o, mask=gmask[:, None])
-        tl.store(part_ml_ptr + row_id * 2, m_i, mask=gmask)
-        tl.store(part_ml_ptr + row_id * 2 + 1, l_i, mask=gmask)
+    _store_result(out_ptr, part_o_ptr, part_ml_ptr, acc, m_i, l_i, seq, h, split, stride_o0, stride_o1, num_kv_heads,
+                  G, BLOCK_G, D, NUM_SPLITS)
 
 
 @triton.jit

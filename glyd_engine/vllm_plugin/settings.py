@@ -51,16 +51,21 @@ def glyd_section(vllm_config: Any) -> dict[str, Any]:
     return {}
 
 
-def asked_mode(vllm_config: Any = None) -> str:
-    """`additional_config["glyd"]["kv"]` (per engine) wins over `GLYD_KV` (per process); default auto."""
-    value = glyd_section(vllm_config).get("kv") if vllm_config is not None else None
-    source = "additional_config glyd.kv"
+def _choice(vllm_config: Any, key: str, env: str, choices: tuple[str, ...], what: str) -> str:
+    """`additional_config["glyd"][key]` (per engine) wins over the environment variable (per process); default
+    auto. A value outside `choices` is refused with the list."""
+    value = glyd_section(vllm_config).get(key) if vllm_config is not None else None
+    source = f"additional_config glyd.{key}"
     if value is None:
-        value, source = os.environ.get(ENV_MODE) or "auto", ENV_MODE
+        value, source = os.environ.get(env) or "auto", env
     value = str(value).strip().lower()
-    if value not in MODES:
-        raise ValueError(f"{source}={value!r} is not a Glyd KV mode; use one of {', '.join(MODES)}")
+    if value not in choices:
+        raise ValueError(f"{source}={value!r} is not a {what}; use one of {', '.join(choices)}")
     return value
+
+
+def asked_mode(vllm_config: Any = None) -> str:
+    return _choice(vllm_config, "kv", ENV_MODE, MODES, "Glyd KV mode")
 
 
 def check_enabled(vllm_config: Any = None) -> bool:
@@ -71,15 +76,7 @@ def check_enabled(vllm_config: Any = None) -> bool:
 
 
 def asked_kernels(vllm_config: Any = None) -> str:
-    """`additional_config["glyd"]["kernels"]` or `GLYD_KV_KERNELS`; default auto."""
-    value = glyd_section(vllm_config).get("kernels") if vllm_config is not None else None
-    source = "additional_config glyd.kernels"
-    if value is None:
-        value, source = os.environ.get(ENV_KERNELS) or "auto", ENV_KERNELS
-    value = str(value).strip().lower()
-    if value not in KERNELS:
-        raise ValueError(f"{source}={value!r} is not a Glyd kernel choice; use one of {', '.join(KERNELS)}")
-    return value
+    return _choice(vllm_config, "kernels", ENV_KERNELS, KERNELS, "Glyd kernel choice")
 
 
 def kernels(vllm_config: Any = None) -> str:
