@@ -40,6 +40,7 @@ from glyd_engine.format.kv_page import ESCAPE, KVPageLayout, encode_table  # noq
 from glyd_engine.tables.build import counts_to_tables  # noqa: E402
 from kernels.kv_decode_attention import decode_pages, kv_decode_attention, num_splits_for, pack_tables  # noqa: E402
 from kernels.kv_decode_swar import (  # noqa: E402
+    NibbleLayout,
     decode_pages_swar,
     kv_decode_attention_swar,
     pack_bases,
@@ -96,14 +97,16 @@ class Source:
         return decode[0], res[0], res[1]
 
 
-def window_bases(src: Source) -> torch.Tensor:
-    """uint8 [2, H, D]: each channel's 7-exponent window (top exponent, >= 7) holding the most sample values."""
+def window_bases(src: Source, width: int = 7) -> torch.Tensor:
+    """uint8 [2, H, D]: each channel's `width`-exponent window (its top exponent, >= width) holding the most
+    sample values."""
     out = torch.zeros(2, H, D, dtype=torch.uint8)
     for kv, x in enumerate((src.k, src.v)):
         e, _ = bf16.split(x.cpu())
         c = torch.nn.functional.one_hot(e.to(torch.int64), 256).sum(0).cumsum(-1)  # [H, D, 256]
-        win = c[..., 6:] - torch.cat([torch.zeros_like(c[..., :1]), c[..., :-7]], -1)  # window ending at 6..255
-        out[kv] = (win.argmax(-1) + 6).clamp(min=7).to(torch.uint8)
+        w = width - 1
+        win = c[..., w:] - torch.cat([torch.zeros_like(c[..., :1]), c[..., : -(w + 1)]], -1)  # ending at w..255
+        out[kv] = (win.argmax(-1) + w).clamp(min=width).to(torch.uint8)
     return out
 
 
@@ -395,6 +398,8 @@ def main() -> None:  # noqa: C901, PLR0915
           f"({ovf.runs_in_use} runs, {ovf.bytes_held} B) of {writer.counters.values}")
 
     swar = None
+    swar_configs = [(2, 1, True, 1), (2, 1, True, 2), (4, 1, True, 4), (2, 1, True, 4), (4, 1, True, 8),
+                    (8, 1, True, 8)]  # the experiment's (warps, stages, prefetch, pages a tile), each timed a row
     if args.swar:  # the same K/V in the experiment's layout: window tables, transposed code words, no escapes
         bases = window_bases(src)
         swar_cache = torch.zeros_like(cache)
@@ -414,8 +419,20 @@ def main() -> None:  # noqa: C901, PLR0915
             inwin = (bases[kv].to(dev).view(1, H, 1, D).to(torch.int32) - e).clamp(-1, 7).lt(7) & (
                 bases[kv].to(dev).view(1, H, 1, D).to(torch.int32) >= e)
             ok &= bool(torch.equal(got.view(torch.int16)[inwin], want.view(torch.int16)[inwin]))
+        # the 4-bit variant: a 15-exponent window, escapes rare
+        nlay = NibbleLayout(D, B, 1, 1)
+        nbases = window_bases(src, 15)
+        nib_cache = torch.zeros(nblocks, H, nlay.page_bytes, dtype=torch.uint8, device=dev)
+        nesc = 0
+        for b0 in range(0, nblocks, chunk_blocks):
+            nb = min(chunk_blocks, nblocks - b0)
+            slots = torch.arange(b0 * B, (b0 + nb) * B, device=dev)
+            nesc += write_pages_swar(nib_cache, nlay, nbases.to(dev), k_pool[b0 : b0 + nb].reshape(-1, H, D),
+                                     v_pool[b0 : b0 + nb].reshape(-1, H, D), slots)
+        nib = (nib_cache, pack_bases(nbases, 15).to(dev), nlay)
         info_swar = {"escaped_values": esc, "escape_rate": esc / (2 * nblocks * B * H * D),
-                     "fast_path_bit_exact_4096_pages": ok}
+                     "fast_path_bit_exact_4096_pages": ok, "nibble_escape_rate": nesc / (2 * nblocks * B * H * D),
+                     "nibble_page_bytes": nlay.page_bytes}
         print("swar", info_swar)
         log("swar_layout", info_swar, out)
 
@@ -529,18 +546,6 @@ def main() -> None:  # noqa: C901, PLR0915
         print("tune", name, tune[name], flush=True)
     print(f"tune (ms at batch {S} x {L}):", tune)
     log("tune", tune, out)
-    swar_cfg = {}
-    if swar is not None:
-        for w, st, pf in ((2, 1, False), (2, 1, True), (4, 1, True), (1, 1, False), (1, 1, True), (2, 2, False)):
-            try:
-                swar_cfg[(w, st, pf)] = bench_fn(lambda w=w, st=st, pf=pf: kv_decode_attention_swar(
-                    q, swar[0], lay, swar[1], bt, lens, L, scale, out=o, num_warps=w, num_stages=st, prefetch=pf),
-                    True)
-            except Exception as exc:  # noqa: BLE001
-                swar_cfg[(w, st, pf)] = repr(exc)[:200]
-            print("swar tune", (w, st, pf), swar_cfg[(w, st, pf)], flush=True)
-        log("swar_tune", {f"w{w}s{st}f{int(pf)}": v for (w, st, pf), v in swar_cfg.items()}, out)
-        swar_best = min((k for k in swar_cfg if isinstance(swar_cfg[k], float)), key=lambda k: swar_cfg[k])
     best = min((k for k in tune if isinstance(tune[k], float)), key=lambda k: tune[k])
     cfg = configs[[cfg_name(c) for c in configs].index(best)]
     pages = cfg[0]
@@ -597,14 +602,28 @@ def main() -> None:  # noqa: C901, PLR0915
                 row["sdpa_ms"] = bench_fn(sdpa, True) / len(sd)
                 del sd
                 row["speedup_vs_vllm"] = row.get("vllm_ms", float("nan")) / row["ours_ms"]
-                if swar is not None:
-                    w, st, pf = swar_best
-                    sf = [lambda q=q, bt=bt, lens=lens, o=o, L=L, w=w, st=st, pf=pf: kv_decode_attention_swar(
-                        q, swar[0], lay, swar[1], bt, lens, L, scale, out=o, num_warps=w, num_stages=st, prefetch=pf)
-                        for (bt, lens, q), o in zip(cases, outs, strict=True)]
-                    row["swar_ms"] = bench_fn(lambda sf=sf: [f() for f in sf], True) / rot
+                if swar is not None:  # every experiment config on every row (the best depends on the batch)
+                    per = {}
+                    for c in swar_configs:
+                        w, st, pf, pg = c
+                        sf = [lambda q=q, bt=bt, lens=lens, o=o, L=L, w=w, st=st, pf=pf, pg=pg:
+                              kv_decode_attention_swar(q, swar[0], lay, swar[1], bt, lens, L, scale, out=o,
+                                                       num_warps=w, num_stages=st, prefetch=pf, pages=pg)
+                              for (bt, lens, q), o in zip(cases, outs, strict=True)]
+                        per["w{}s{}f{}p{}".format(*c)] = bench_fn(lambda sf=sf: [f() for f in sf], True) / rot
+                    row["swar_configs_ms"] = per
+                    best_name = min(per, key=lambda k: per[k])
+                    row["swar_cfg"] = best_name
+                    w, st, pf, pg = swar_configs[list(per).index(best_name)]
+                    row["swar_ms"] = per[best_name]
                     row["swar_vs_vllm"] = row.get("vllm_ms", float("nan")) / row["swar_ms"]
                     row["swar_frac_copy"] = comp_bytes / row["swar_ms"] / 1e9 / copy_tbs
+                    nf = [lambda q=q, bt=bt, lens=lens, o=o, L=L, w=w, st=st, pf=pf, pg=pg: kv_decode_attention_swar(
+                        q, nib[0], nib[2], nib[1], bt, lens, L, scale, out=o, num_warps=w, num_stages=st,
+                        prefetch=pf, pages=pg) for (bt, lens, q), o in zip(cases, outs, strict=True)]
+                    row["nib_ms"] = bench_fn(lambda nf=nf: [f() for f in nf], True) / rot
+                    row["nib_vs_vllm"] = row.get("vllm_ms", float("nan")) / row["nib_ms"]
+                    row["nib_frac_copy"] = S * nbs * H * nib[2].page_bytes / row["nib_ms"] / 1e9 / copy_tbs
                 row["ours_frac_copy"] = row["ours_TBps"] / copy_tbs
             except Exception as exc:  # noqa: BLE001
                 row["error"] = repr(exc)[:300]
@@ -620,7 +639,8 @@ def main() -> None:  # noqa: C901, PLR0915
             if "swar_ms" in r:
                 print(f"{r['batch']:>5} {r['context']:>6} swar {r['swar_ms']:.4f} ms  vllm {r.get('vllm_ms', 0):.4f}"
                       f"  x vllm {r['swar_vs_vllm']:.2f}  %copy {100 * r['swar_frac_copy']:.0f}%  (current "
-                      f"{r['speedup_vs_vllm']:.2f}x)")
+                      f"{r['speedup_vs_vllm']:.2f}x)  4-bit: {r['nib_ms']:.4f} ms x vllm {r['nib_vs_vllm']:.2f} "
+                      f"%copy {100 * r['nib_frac_copy']:.0f}%  [{r['swar_cfg']}]")
 
     if model_batches is not None:
         model: dict[str, object] = {"kv_gib": args.kv_gib, "context": MODEL_CONTEXT, "batches": model_batches}

@@ -37,6 +37,20 @@ from kernels.kv_decode_attention import (
 )
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+class NibbleLayout(KVPageLayout):
+    """The experiment's second variant: 4-bit codes (a 15-exponent window, code 15 = escape), 1.5 bytes a value
+    before escapes, which are then rare (0.03-0.24% of the demo model's K/V). Code byte 4m + b of a row holds
+    channel 8m + b in its low nibble and channel 8m + 4 + b in its high one."""
+
+    @property
+    def code_bytes(self) -> int:
+        return self.head_size // 2
+
+    @property
+    def token_bytes(self) -> int:
+        return 2 * (self.head_size + self.code_bytes) + self.k_escapes + self.v_escapes
 _HI_BITS: tl.constexpr = tl.constexpr(-0x7F7F7F80)  # 0x80808080 as an int32: each byte's top bit
 
 
@@ -69,22 +83,35 @@ def _pairs(lo4, hi4, USE_ASM: tl.constexpr):
 
 @triton.jit
 def _decode_swar(page_w, base4, T: tl.constexpr, SM_W: tl.constexpr, CODE_W: tl.constexpr, D: tl.constexpr,
-                 USE_ASM: tl.constexpr):
-    """Rows 0..T-1 of one page's K or V (page_w: the page's first int32 word) -> [T, D] bf16 (escapes not decoded)."""
+                 USE_ASM: tl.constexpr, NIB: tl.constexpr = False, B: tl.constexpr = 0):
+    """Rows of K or V -> [T, D] bf16 (escapes not decoded). page_w: one page's first int32 word (B = 0: rows
+    0..T-1 of that page), or [T] such pointers, a row's page each (row t is row t % B of its page)."""
     W: tl.constexpr = D // 32
-    CW: tl.constexpr = 3 * D // 32  # code words a row
     t = tl.arange(0, T)[:, None, None]
     g = tl.arange(0, W)[None, :, None]
     j = tl.arange(0, 8)[None, None, :]
-    s4 = tl.load(page_w + SM_W + t * (D // 4) + g * 8 + j)  # [T, W, 8]
     t2 = tl.arange(0, T)[:, None]
     g2 = tl.arange(0, W)[None, :]
-    p0 = tl.load(page_w + CODE_W + t2 * CW + g2)[:, :, None]  # [T, W, 1]
-    p1 = tl.load(page_w + CODE_W + t2 * CW + W + g2)[:, :, None]
-    p2 = tl.load(page_w + CODE_W + t2 * CW + 2 * W + g2)[:, :, None]
-    c4 = ((_rotr(p0, j, USE_ASM) & 0x01010101) | (_rotr(p1, (j + 31) % 32, USE_ASM) & 0x02020202)
-          | (_rotr(p2, (j + 30) % 32, USE_ASM) & 0x04040404))
-    e4 = base4 - c4  # bytes: base >= 7 >= code, no borrow
+    if B > 0:
+        base3 = page_w[:, None, None]
+        base2 = page_w[:, None]
+        t = t % B
+        t2 = t2 % B
+    else:
+        base3 = page_w
+        base2 = page_w
+    s4 = tl.load(base3 + SM_W + t * (D // 4) + g * 8 + j)  # [T, W, 8]
+    if NIB:  # word j's codes are the low or high nibbles of code word (32g + 4j) // 8
+        nw = tl.load(base3 + CODE_W + t * (D // 8) + g * 4 + j // 2)
+        c4 = (nw >> ((j % 2) * 4)) & 0x0F0F0F0F
+    else:
+        CW: tl.constexpr = 3 * D // 32  # code words a row
+        p0 = tl.load(base2 + CODE_W + t2 * CW + g2)[:, :, None]  # [T, W, 1]
+        p1 = tl.load(base2 + CODE_W + t2 * CW + W + g2)[:, :, None]
+        p2 = tl.load(base2 + CODE_W + t2 * CW + 2 * W + g2)[:, :, None]
+        c4 = ((_rotr(p0, j, USE_ASM) & 0x01010101) | (_rotr(p1, (j + 31) % 32, USE_ASM) & 0x02020202)
+              | (_rotr(p2, (j + 30) % 32, USE_ASM) & 0x04040404))
+    e4 = base4 - c4  # bytes: base >= the largest code, no borrow
     lo4 = ((e4 << 7) & _HI_BITS) | (s4 & 0x7F7F7F7F)  # e bit 0, then the mantissa
     hi4 = (s4 & _HI_BITS) | ((e4 >> 1) & 0x7F7F7F7F)  # sign, then e bits 7..1
     p01, p23 = _pairs(lo4, hi4, USE_ASM)
@@ -99,7 +126,7 @@ def _attn_swar_kernel(q_ptr, out_ptr, part_o_ptr, part_ml_ptr, cache_w_ptr, base
                       num_kv_heads, pages_per_split, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
                       B: tl.constexpr, K_SM: tl.constexpr, V_SM: tl.constexpr, K_CODE: tl.constexpr,
                       V_CODE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_F32: tl.constexpr, USE_ASM: tl.constexpr,
-                      PREFETCH: tl.constexpr, PAGE_LINES: tl.constexpr):
+                      PREFETCH: tl.constexpr, PAGE_LINES: tl.constexpr, NIB: tl.constexpr, PAGES: tl.constexpr):
     seq, h, split, seq_len, p_start, p_end, q = _program_setup(q_ptr, seq_lens_ptr, stride_q0, stride_q1,
                                                                pages_per_split, G, BLOCK_G, D, B)
     W: tl.constexpr = D // 32
@@ -109,20 +136,29 @@ def _attn_swar_kernel(q_ptr, out_ptr, part_o_ptr, part_ml_ptr, cache_w_ptr, base
     m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, D], tl.float32)
-    row = tl.arange(0, B)
     head_w = cache_w_ptr + h * page_words
     bt_row = block_table_ptr + seq.to(tl.int64) * bt_stride
-    for p in range(p_start, p_end):
-        blk = tl.load(bt_row + p).to(tl.int64)
-        page_w = head_w + blk * num_kv_heads * page_words  # the page's first word (a scalar pointer)
-        valid = p * B + row < seq_len
-        if PREFETCH:  # the next page into L2 while this one decodes (a 128-byte line a lane)
-            nxt = tl.load(bt_row + p + 1, mask=p + 1 < p_end, other=0).to(tl.int64)
+    T: tl.constexpr = PAGES * B
+    ROWS_B: tl.constexpr = B if PAGES > 1 else 0
+    row = tl.arange(0, T)
+    for p in range(p_start, p_end, PAGES):
+        if PAGES == 1:
+            blk = tl.load(bt_row + p).to(tl.int64)
+            page_w = head_w + blk * num_kv_heads * page_words  # the page's first word (a scalar pointer)
+            valid = p * B + row < seq_len
+        else:  # PAGES pages a tile: a page pointer a row
+            pidx = p + row // B
+            blk = tl.load(bt_row + pidx, mask=pidx < p_end, other=0).to(tl.int64)
+            page_w = head_w + blk * num_kv_heads * page_words
+            valid = (pidx < p_end) & (pidx * B + row % B < seq_len)
+        if PREFETCH:  # the next tile's pages into L2 while this one decodes (a 128-byte line a lane)
             lines = tl.arange(0, PAGE_LINES)
-            ok = (lines * 32 < page_words) & (p + 1 < p_end)
-            _prefetch_l2(head_w + nxt * num_kv_heads * page_words + lines * 32, ok)
-        kt = _decode_swar(page_w, k_base, B, K_SM // 4, K_CODE // 4, D, USE_ASM)
-        vt = _decode_swar(page_w, v_base, B, V_SM // 4, V_CODE // 4, D, USE_ASM)
+            for i in tl.static_range(PAGES):
+                nxt = tl.load(bt_row + p + PAGES + i, mask=p + PAGES + i < p_end, other=0).to(tl.int64)
+                ok = (lines * 32 < page_words) & (p + PAGES + i < p_end)
+                _prefetch_l2(head_w + nxt * num_kv_heads * page_words + lines * 32, ok)
+        kt = _decode_swar(page_w, k_base, T, K_SM // 4, K_CODE // 4, D, USE_ASM, NIB, ROWS_B)
+        vt = _decode_swar(page_w, v_base, T, V_SM // 4, V_CODE // 4, D, USE_ASM, NIB, ROWS_B)
         m_i, l_i, acc = _softmax_step(q, kt, vt, valid[None, :], valid, m_i, l_i, acc, scale_log2, DOT_F32)
     _store_result(out_ptr, part_o_ptr, part_ml_ptr, acc, m_i, l_i, seq, h, split, stride_o0, stride_o1, num_kv_heads,
                   G, BLOCK_G, D, NUM_SPLITS)
@@ -131,7 +167,7 @@ def _attn_swar_kernel(q_ptr, out_ptr, part_o_ptr, part_ml_ptr, cache_w_ptr, base
 @triton.jit
 def _decode_pages_swar_kernel(cache_w_ptr, base_ptr, blocks_ptr, out_k_ptr, out_v_ptr, page_words, num_kv_heads,
                               D: tl.constexpr, B: tl.constexpr, K_SM: tl.constexpr, V_SM: tl.constexpr,
-                              K_CODE: tl.constexpr, V_CODE: tl.constexpr, USE_ASM: tl.constexpr):
+                              K_CODE: tl.constexpr, V_CODE: tl.constexpr, USE_ASM: tl.constexpr, NIB: tl.constexpr):
     n = tl.program_id(0)
     h = tl.program_id(1)
     row = tl.arange(0, B)
@@ -139,9 +175,9 @@ def _decode_pages_swar_kernel(cache_w_ptr, base_ptr, blocks_ptr, out_k_ptr, out_
     blk = tl.load(blocks_ptr + n).to(tl.int64)
     page_w = cache_w_ptr + (blk * num_kv_heads + h) * page_words
     wi = tl.arange(0, D // 32)[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
-    kt = _decode_swar(page_w, tl.load(base_ptr + h * (D // 4) + wi), B, K_SM // 4, K_CODE // 4, D, USE_ASM)
+    kt = _decode_swar(page_w, tl.load(base_ptr + h * (D // 4) + wi), B, K_SM // 4, K_CODE // 4, D, USE_ASM, NIB)
     vt = _decode_swar(page_w, tl.load(base_ptr + (num_kv_heads + h) * (D // 4) + wi), B, V_SM // 4, V_CODE // 4,
-                      D, USE_ASM)
+                      D, USE_ASM, NIB)
     o = ((n * num_kv_heads + h) * B + row[:, None]) * D + d[None, :]
     tl.store(out_k_ptr + o, kt)
     tl.store(out_v_ptr + o, vt)
@@ -157,21 +193,22 @@ def decode_pages_swar(cache: torch.Tensor, layout: KVPageLayout, bases: torch.Te
     _decode_pages_swar_kernel[(n, H)](cache.view(-1).view(torch.int32), bases, blocks.to(torch.int32), out_k, out_v,
                                       layout.page_bytes // 4, H, D=D, B=B, K_SM=layout.sm_offset(0),
                                       V_SM=layout.sm_offset(1), K_CODE=layout.code_offset(0),
-                                      V_CODE=layout.code_offset(1), USE_ASM=not _INTERPRET)
+                                      V_CODE=layout.code_offset(1), USE_ASM=not _INTERPRET,
+                                      NIB=isinstance(layout, NibbleLayout))
     return out_k, out_v
 
 
-def pack_bases(bases: torch.Tensor) -> torch.Tensor:
+def pack_bases(bases: torch.Tensor, top_code: int = 7) -> torch.Tensor:
     """uint8 [2, H, D] window tops -> int32 [2, H, D/4] (byte b of word w = channel 4w + b)."""
-    if int(bases.min()) < 7:
-        raise ValueError("a window's top exponent must be at least 7 (codes 0..7 subtract without borrow)")
+    if int(bases.min()) < top_code:
+        raise ValueError(f"a window's top exponent must be at least {top_code} (codes subtract without borrow)")
     return bases.contiguous().view(torch.int32)
 
 
 def kv_decode_attention_swar(query: torch.Tensor, cache: torch.Tensor, layout: KVPageLayout, bases: torch.Tensor,
                              block_table: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int, scale: float,
                              out: torch.Tensor | None = None, num_splits: int | None = None, num_warps: int = 2,
-                             num_stages: int = 1, prefetch: bool = False) -> torch.Tensor:
+                             num_stages: int = 1, prefetch: bool = False, pages: int = 1) -> torch.Tensor:
     """As `kv_decode_attention`, on pages of the proposed layout, escapes not decoded (see the module docstring).
     bases: int32 [2, H, D/4] from `pack_bases`."""
     H, G = _check_query(query, cache, layout)
@@ -179,9 +216,9 @@ def kv_decode_attention_swar(query: torch.Tensor, cache: torch.Tensor, layout: K
     if out is None:
         out = torch.empty_like(query)
     if num_splits is None:
-        num_splits = num_splits_for(S, H, max_seq_len, layout.block_size, 1)
+        num_splits = num_splits_for(S, H, max_seq_len, layout.block_size, pages)
     max_pages = triton.cdiv(max(1, max_seq_len), layout.block_size)
-    pages_per_split = triton.cdiv(max_pages, num_splits)
+    pages_per_split = triton.cdiv(triton.cdiv(max_pages, num_splits), pages) * pages
     if num_splits > 1:
         part_o = torch.empty(S * Hq * num_splits * D, dtype=torch.float32, device=query.device)
         part_ml = torch.empty(S * Hq * num_splits * 2, dtype=torch.float32, device=query.device)
@@ -194,8 +231,8 @@ def kv_decode_attention_swar(query: torch.Tensor, cache: torch.Tensor, layout: K
         BLOCK_G=max(16, triton.next_power_of_2(G)), D=D, B=layout.block_size, K_SM=layout.sm_offset(0),
         V_SM=layout.sm_offset(1), K_CODE=layout.code_offset(0), V_CODE=layout.code_offset(1),
         NUM_SPLITS=num_splits, DOT_F32=_INTERPRET, USE_ASM=not _INTERPRET, PREFETCH=prefetch and not _INTERPRET,
-        PAGE_LINES=triton.next_power_of_2(triton.cdiv(layout.page_bytes, 128)), num_warps=num_warps,
-        num_stages=num_stages)
+        PAGE_LINES=triton.next_power_of_2(triton.cdiv(layout.page_bytes, 128)), NIB=isinstance(layout, NibbleLayout),
+        PAGES=pages, num_warps=num_warps, num_stages=num_stages)
     if num_splits > 1:
         _merge_kernel[(S, Hq)](out, part_o, part_ml, out.stride(0), out.stride(1), Hq, D=D,
                                NUM_SPLITS=num_splits, S_PAD=max(2, triton.next_power_of_2(num_splits)))
@@ -220,10 +257,17 @@ def write_pages_swar(cache: torch.Tensor, layout: KVPageLayout, bases: torch.Ten
         e = (bits >> 7) & 0xFF
         sm = ((bits >> 8) & 0x80) | (bits & 0x7F)
         c = bases[kv].to(torch.int32).unsqueeze(0) - e  # [T, H, D]
-        esc = (c < 0) | (c > 6)
+        top = 15 if isinstance(layout, NibbleLayout) else 7
+        esc = (c < 0) | (c >= top)
         escaped += int(esc.sum())
-        c = torch.where(esc, torch.full_like(c, 7), c)
+        c = torch.where(esc, torch.full_like(c, top), c)
         cache[bi, hi, layout.sm_offset(kv) + off.view(T, 1, 1) * D + ch.view(1, 1, D)] = sm.to(torch.uint8)
+        if top == 15:  # byte 4m + b: channel 8m + b low, 8m + 4 + b high
+            c8 = c.view(T, H, D // 8, 2, 4)
+            byte = (c8[:, :, :, 0] | (c8[:, :, :, 1] << 4)).reshape(T, H, D // 2).to(torch.uint8)
+            col = layout.code_offset(kv) + off.view(T, 1, 1) * layout.code_bytes
+            cache[bi, hi, col + torch.arange(D // 2, device=dev).view(1, 1, -1)] = byte
+            continue
         for p in range(3):
             words = torch.zeros(T, H, D // 32, dtype=torch.int64, device=dev)
             words.scatter_add_(2, (ch // 32).expand(T, H, D), ((c >> p) & 1).to(torch.int64) << bitpos)
@@ -233,4 +277,4 @@ def write_pages_swar(cache: torch.Tensor, layout: KVPageLayout, bases: torch.Ten
     return escaped
 
 
-__all__ = ["decode_pages_swar", "kv_decode_attention_swar", "pack_bases", "write_pages_swar"]
+__all__ = ["NibbleLayout", "decode_pages_swar", "kv_decode_attention_swar", "pack_bases", "write_pages_swar"]
