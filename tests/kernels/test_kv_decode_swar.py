@@ -1,6 +1,7 @@
-"""The SWAR decode experiment (`kernels.kv_decode_swar`): its fast path decodes pages bit for bit and its
-attention matches fp32, on data without escapes (the experiment does not decode escapes). Runs under
-TRITON_INTERPRET=1 on the CPU; GLYD_TEST_DEVICE=cuda runs it natively (the inline-asm paths)."""
+"""The SWAR decode experiment (`kernels.kv_decode_swar`): pages decode bit for bit and attention matches fp32, with
+escapes (3-bit layout: ~5% of values, so words hold several) and on escape-free data (the 4-bit variant, which does
+not decode its escapes). Runs under TRITON_INTERPRET=1 on the CPU; GLYD_TEST_DEVICE=cuda runs it natively (the
+inline-asm paths)."""
 
 from __future__ import annotations
 
@@ -25,10 +26,18 @@ from kernels.kv_decode_swar import (  # noqa: E402
 DEV = os.environ.get("GLYD_TEST_DEVICE", "cpu")
 
 
-def _windowed(T: int, H: int, D: int, bases: torch.Tensor, g: torch.Generator, width: int) -> torch.Tensor:
-    """bf16 [T, H, D] with random sign/mantissa and every exponent inside its channel's window (no escapes)."""
+def _windowed(T: int, H: int, D: int, bases: torch.Tensor, g: torch.Generator, width: int,
+              escapes: float = 0.0, extreme: bool = False) -> torch.Tensor:
+    """bf16 [T, H, D] with random sign/mantissa and exponents inside their channel's window, but for a share
+    `escapes` of values, whose exponents are outside it: anywhere in 0..255 (zeros, subnormals, inf/NaN) when
+    `extreme`, else within 40 below and 4 above the window (finite, for attention)."""
     sm = torch.randint(0, 256, (T, H, D), generator=g, dtype=torch.int32)
     e = bases.to(torch.int32).unsqueeze(0) - torch.randint(0, width, (T, H, D), generator=g, dtype=torch.int32)
+    lo, hi = (0, 256) if extreme else (80, 135)
+    out = torch.randint(lo, hi, (T, H, D), generator=g, dtype=torch.int32)
+    outside = (out > bases.to(torch.int32)) | (out <= bases.to(torch.int32) - width)
+    pick = (torch.rand(T, H, D, generator=g) < escapes) & outside
+    e = torch.where(pick, out, e)
     bits = ((sm & 0x80) << 8) | (e << 7) | (sm & 0x7F)
     return torch.where(bits >= 2**15, bits - 2**16, bits).to(torch.int16).view(torch.bfloat16)
 
@@ -37,18 +46,34 @@ def _windowed(T: int, H: int, D: int, bases: torch.Tensor, g: torch.Generator, w
 def test_swar_fast_path_decodes_exactly_and_attends(D: int, G: int, nib: bool) -> None:
     g = torch.Generator().manual_seed(D)
     H, B = 2, 16
-    lay = NibbleLayout(D, B, 1, 1) if nib else layout(D, B, 1, 1)
+    lay = NibbleLayout(D, B, 1, 1) if nib else layout(D, B, 8, 8)  # 8 escape bytes a token: no overflow
     width = 15 if nib else 7
     bases = torch.randint(120, 130, (2, H, D), generator=g, dtype=torch.int32).to(torch.uint8)
     lens = [37, 20]
-    k = _windowed(sum(lens), H, D, bases[0], g, width)
-    v = _windowed(sum(lens), H, D, bases[1], g, width)
+    n_pages = [3, 2]  # whole pages are written (the rows past each length are there but never read)
+    rate = 0.0 if nib else 0.05
     nb = 6
     cache = torch.randint(0, 256, (nb, H, lay.page_bytes), dtype=torch.uint8, generator=g)
     bt = torch.tensor([[4, 0, 5], [2, 1, 3]], dtype=torch.int32)
-    slots = torch.cat([bt[s, torch.arange(n) // B].long() * B + torch.arange(n) % B for s, n in enumerate(lens)])
+    slots = torch.cat([bt[s, :m].long().repeat_interleave(B) * B + torch.arange(m * B) % B
+                       for s, m in enumerate(n_pages)])
+    packed = pack_bases(bases, width).to(DEV)
+    # every written row of every page, bit for bit, with escapes of any exponent (0 and 255 included)
+    xk = _windowed(B * sum(n_pages), H, D, bases[0], g, width, rate, extreme=True)
+    xv = _windowed(B * sum(n_pages), H, D, bases[1], g, width, rate, extreme=True)
+    assert write_pages_swar(cache, lay, bases, xk, xv, slots) == 0  # every escape fits its page
+    dk, dv = decode_pages_swar(cache.to(DEV), lay, packed, bt.view(-1).to(DEV))
+    for got, want in ((dk, xk), (dv, xv)):
+        rows = torch.cat([got.view(2, 3, H, B, D)[s, :m].permute(0, 2, 1, 3).reshape(-1, H, D)
+                          for s, m in enumerate(n_pages)]).cpu()
+        assert torch.equal(rows.view(torch.int16), want.view(torch.int16))
+    # then finite data for attention
+    k = _windowed(B * sum(n_pages), H, D, bases[0], g, width, rate)
+    v = _windowed(B * sum(n_pages), H, D, bases[1], g, width, rate)
     assert write_pages_swar(cache, lay, bases, k, v, slots) == 0
-    cache, packed = cache.to(DEV), pack_bases(bases, width).to(DEV)
+    k = torch.cat([k[: lens[0]], k[B * n_pages[0] : B * n_pages[0] + lens[1]]])
+    v = torch.cat([v[: lens[0]], v[B * n_pages[0] : B * n_pages[0] + lens[1]]])
+    cache = cache.to(DEV)
     dk, dv = decode_pages_swar(cache, lay, packed, bt.view(-1).to(DEV))
     ks, vs = list(torch.split(k, lens)), list(torch.split(v, lens))
     for s, n in enumerate(lens):
