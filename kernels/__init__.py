@@ -9,6 +9,9 @@
   escapes included; escapes past a page's reserve take a torch path (counted) into a device overflow store.
 
 - `resident_linear`: the Glyd matmul, weight tiles decoded on chip (imported from its module).
+- `kv_layer.TritonKVLayer`: one layer's pages driven by these kernels (what the vLLM backend calls on CUDA).
+- `kv_decode_swar`: an experiment, not used by the backend: decode attention over a proposed page layout made
+  for word-wide decoding (docs/gpu.md, runs 19-26).
 
 The torch reference for the KV kernels is `glyd_engine.format.kv_page.KVPageCodec` (write/read). Each function
 here runs under `TRITON_INTERPRET=1` on the CPU (tests/kernels) and natively on CUDA.
