@@ -402,14 +402,20 @@ def main() -> None:  # noqa: C901, PLR0915
                     (8, 1, True, 8)]  # the experiment's (warps, stages, prefetch, pages a tile), each timed a row
     if args.swar:  # the same K/V in the experiment's layout: window tables, transposed code words, its escapes
         bases = window_bases(src)
+        def fill(layout: KVPageLayout, win: torch.Tensor) -> tuple[torch.Tensor, int]:
+            """The pool's K/V in one of the experiment's layouts; and the writer's count (escapes past the
+            reserve, or for the 4-bit variant all escapes)."""
+            pages = torch.zeros(nblocks, H, layout.page_bytes, dtype=torch.uint8, device=dev)
+            n = 0
+            for b0 in range(0, nblocks, chunk_blocks):
+                nb = min(chunk_blocks, nblocks - b0)
+                slots = torch.arange(b0 * B, (b0 + nb) * B, device=dev)
+                n += write_pages_swar(pages, layout, win.to(dev), k_pool[b0 : b0 + nb].reshape(-1, H, D),
+                                      v_pool[b0 : b0 + nb].reshape(-1, H, D), slots)
+            return pages, n
+
         slay = KVPageLayout(D, B, 8, 8)  # room for every page's escapes: the experiment has no overflow path
-        swar_cache = torch.zeros(nblocks, H, slay.page_bytes, dtype=torch.uint8, device=dev)
-        past = 0
-        for b0 in range(0, nblocks, chunk_blocks):
-            nb = min(chunk_blocks, nblocks - b0)
-            slots = torch.arange(b0 * B, (b0 + nb) * B, device=dev)
-            past += write_pages_swar(swar_cache, slay, bases.to(dev), k_pool[b0 : b0 + nb].reshape(-1, H, D),
-                                     v_pool[b0 : b0 + nb].reshape(-1, H, D), slots)
+        swar_cache, past = fill(slay, bases)
         swar = (swar_cache, pack_bases(bases).to(dev), slay)
         ids = torch.randperm(nblocks, generator=gen)[:4096].to(dev)
         dk, dv = decode_pages_swar(swar_cache, slay, swar[1], ids)
@@ -421,13 +427,7 @@ def main() -> None:  # noqa: C901, PLR0915
         # the 4-bit variant: a 15-exponent window, escapes rare
         nlay = NibbleLayout(D, B, 1, 1)
         nbases = window_bases(src, 15)
-        nib_cache = torch.zeros(nblocks, H, nlay.page_bytes, dtype=torch.uint8, device=dev)
-        nesc = 0
-        for b0 in range(0, nblocks, chunk_blocks):
-            nb = min(chunk_blocks, nblocks - b0)
-            slots = torch.arange(b0 * B, (b0 + nb) * B, device=dev)
-            nesc += write_pages_swar(nib_cache, nlay, nbases.to(dev), k_pool[b0 : b0 + nb].reshape(-1, H, D),
-                                     v_pool[b0 : b0 + nb].reshape(-1, H, D), slots)
+        nib_cache, nesc = fill(nlay, nbases)
         nib = (nib_cache, pack_bases(nbases, 15).to(dev), nlay)
         info_swar = {"escape_rate_first_1024_blocks": esc / e_all.numel(), "escapes_past_reserve": past,
                      "bit_exact_4096_pages": ok, "page_bytes": slay.page_bytes,

@@ -351,6 +351,15 @@ def num_splits_for(batch: int, num_kv_heads: int, max_seq_len: int, block_size: 
     return int(max(1, min(want, cap, 128)))
 
 
+def split_plan(batch: int, num_kv_heads: int, max_seq_len: int, block_size: int, pages: int,
+               num_splits: int | None) -> tuple[int, int]:
+    """(context splits, pages a split, a multiple of `pages`) of a decode launch; num_splits None picks them."""
+    if num_splits is None:
+        num_splits = num_splits_for(batch, num_kv_heads, max_seq_len, block_size, pages)
+    max_pages = triton.cdiv(max(1, max_seq_len), block_size)
+    return num_splits, triton.cdiv(triton.cdiv(max_pages, num_splits), pages) * pages
+
+
 def kv_decode_attention(query: torch.Tensor, cache: torch.Tensor, layout: KVPageLayout, tables: torch.Tensor,
                         block_table: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int, scale: float,
                         overflow: OverflowStore | None = None, out: torch.Tensor | None = None,
@@ -368,16 +377,13 @@ def kv_decode_attention(query: torch.Tensor, cache: torch.Tensor, layout: KVPage
     num_warps, num_stages, vec (bytes a thread loads along channels: 4 or 16), prefetch (tiles ahead, 0 = off),
     maxnreg (register cap, None = ptxas's choice), ovf_branch (escape bytes from the page by one predicated load
     a value, the overflow arena only under a tile-uniform branch, instead of one load that picks page or arena
-    per value: fewer instructions on the common path, more registers; not yet timed, docs/gpu.md).
+    per value: fewer instructions on the common path, more registers; slower on the H200, run 18 of docs/gpu.md).
     """
     H, G = _check_query(query, cache, layout)
     S, Hq, D = query.shape
     if out is None:
         out = torch.empty_like(query)
-    if num_splits is None:
-        num_splits = num_splits_for(S, H, max_seq_len, layout.block_size, pages)
-    max_pages = triton.cdiv(max(1, max_seq_len), layout.block_size)
-    pages_per_split = triton.cdiv(triton.cdiv(max_pages, num_splits), pages) * pages
+    num_splits, pages_per_split = split_plan(S, H, max_seq_len, layout.block_size, pages, num_splits)
     ovf_ptr, arena, check_ovf = _overflow_args(overflow, cache)
     if scratch is not None:
         part_o, part_ml = scratch
@@ -465,4 +471,4 @@ def reference_attention(query: torch.Tensor, keys: list[torch.Tensor], values: l
     return torch.stack(outs)
 
 
-__all__ = ["decode_pages", "kv_decode_attention", "num_splits_for", "pack_tables", "reference_attention"]
+__all__ = ["decode_pages", "kv_decode_attention", "num_splits_for", "pack_tables", "reference_attention", "split_plan"]

@@ -36,7 +36,7 @@ from kernels.kv_decode_attention import (
     _program_setup,
     _softmax_step,
     _store_result,
-    num_splits_for,
+    split_plan,
 )
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -279,16 +279,13 @@ def kv_decode_attention_swar(query: torch.Tensor, cache: torch.Tensor, layout: K
                              out: torch.Tensor | None = None, num_splits: int | None = None, num_warps: int = 2,
                              num_stages: int = 1, prefetch: bool = False, pages: int = 1,
                              escapes: bool = True) -> torch.Tensor:
-    """As `kv_decode_attention`, on pages of the proposed layout, escapes not decoded (see the module docstring).
-    bases: int32 [2, H, D/4] from `pack_bases`."""
+    """As `kv_decode_attention`, on pages of the proposed layout (escapes decoded unless escapes=False; no overflow
+    path: see the module docstring). bases: int32 [2, H, D/4] from `pack_bases`."""
     H, G = _check_query(query, cache, layout)
     S, Hq, D = query.shape
     if out is None:
         out = torch.empty_like(query)
-    if num_splits is None:
-        num_splits = num_splits_for(S, H, max_seq_len, layout.block_size, pages)
-    max_pages = triton.cdiv(max(1, max_seq_len), layout.block_size)
-    pages_per_split = triton.cdiv(triton.cdiv(max_pages, num_splits), pages) * pages
+    num_splits, pages_per_split = split_plan(S, H, max_seq_len, layout.block_size, pages, num_splits)
     if num_splits > 1:
         part_o = torch.empty(S * Hq * num_splits * D, dtype=torch.float32, device=query.device)
         part_ml = torch.empty(S * Hq * num_splits * 2, dtype=torch.float32, device=query.device)
