@@ -103,10 +103,10 @@ class GlydAttentionImpl(CPUAttentionBackendImpl):
         b, d, h = lay.block_size, lay.head_size, self.num_kv_heads
         num_reqs = md.seq_lens.shape[0]
         use = state.pages_in_use(md.block_table[:num_reqs], md.seq_lens, b)
-        uniq, fill, used, inverse = use.blocks, use.fill, use.used, use.inverse
+        uniq, used, inverse = use.blocks, use.used, use.inverse
         k, v = read_pages(st.codec, st.pages, st.overflow, uniq)  # [U, H, B, D], = codec.read bit for bit
         state.STATS.pages_decoded += 2 * uniq.numel() * h
-        valid = (torch.arange(b).view(1, b) < fill.view(-1, 1)).view(-1, 1, b, 1)
+        valid = use.rows(b)
         if st.shadow is not None and not state.COMPARE["paused"]:
             state.compare_read(st, uniq, valid, k, v)
         # Rows past a page's fill are garbage (possibly NaN patterns): zero them as vLLM's fresh pages are.

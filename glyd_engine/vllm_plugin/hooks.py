@@ -18,9 +18,11 @@ BACKEND_PATH = "glyd_engine.vllm_plugin.backend.GlydAttentionBackend"  # torch p
 TRITON_BACKEND_PATH = "glyd_engine.vllm_plugin.triton_backend.GlydTritonAttentionBackend"  # Triton kernels
 
 
+_MARK = "_glyd_wrapped"
+
+
 def backend_path(vllm_config: Any) -> str:
     return TRITON_BACKEND_PATH if settings.kernels(vllm_config) == "triton" else BACKEND_PATH
-_MARK = "_glyd_wrapped"
 
 
 def layer_refusal(sel: Any) -> str | None:

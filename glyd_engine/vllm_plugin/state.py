@@ -122,6 +122,11 @@ class PagesInUse:
     used: torch.Tensor  # bool [S, max_blocks]: table entries below their sequence's length
     inverse: torch.Tensor  # int64: for each used entry, its index in `blocks`
 
+    def rows(self, block_size: int) -> torch.Tensor:
+        """bool [U, 1, B, 1]: the rows of each page that hold tokens (the rest are garbage)."""
+        r = torch.arange(block_size, device=self.fill.device).view(1, block_size)
+        return (r < self.fill.view(-1, 1)).view(-1, 1, block_size, 1)
+
 
 def pages_in_use(table: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> PagesInUse:
     seq = seq_lens.to(torch.int64)

@@ -153,8 +153,6 @@ class GlydTritonAttentionImpl(AttentionImpl):
         """Check mode: the batch's pages through the kernels' decoder, every row below a page's fill compared."""
         b = st.codec.layout.block_size
         use = state.pages_in_use(md.block_table[: md.seq_lens.shape[0]], md.seq_lens, b)
-        blocks, fill = use.blocks, use.fill
-        k, v = kv.read(blocks)
-        state.STATS.pages_decoded += 2 * blocks.numel() * k.shape[1]
-        valid = (torch.arange(b, device=fill.device).view(1, b) < fill.view(-1, 1)).view(-1, 1, b, 1)
-        state.compare_read(st, blocks, valid, k, v)
+        k, v = kv.read(use.blocks)
+        state.STATS.pages_decoded += 2 * use.blocks.numel() * k.shape[1]
+        state.compare_read(st, use.blocks, use.rows(b), k, v)

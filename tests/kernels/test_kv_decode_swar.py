@@ -43,7 +43,7 @@ def _windowed(T: int, H: int, D: int, bases: torch.Tensor, g: torch.Generator, w
 
 
 @pytest.mark.parametrize("D,G,nib", [(64, 4, False), (128, 2, False), (128, 4, True)])
-def test_swar_fast_path_decodes_exactly_and_attends(D: int, G: int, nib: bool) -> None:
+def test_swar_layout_decodes_exactly_and_attends(D: int, G: int, nib: bool) -> None:
     g = torch.Generator().manual_seed(D)
     H, B = 2, 16
     lay = NibbleLayout(D, B, 1, 1) if nib else layout(D, B, 8, 8)  # 8 escape bytes a token: no overflow

@@ -47,7 +47,7 @@ def test_every_value_read_by_the_kernels_is_the_value_written(triton_run: dict) 
 
 def test_outputs_agree_with_vllm_within_rounding(triton_run: dict, off_run: dict) -> None:
     """Attention sums in another order than vLLM's CPU kernel, and this bf16 model amplifies rounding
-    (transformers' eager and sdpa attention differ by 0.08 in mean |logprob| on such a prompt, docs/vllm.md):
+    (transformers' eager and sdpa attention differ by 0.08 in mean |logprob| on such a prompt, docs/benchmarks.md):
     the bound is that level, far below what a wrong mask, scale or page (mean differences of 1 or more) gives."""
     ours, theirs = triton_run["prompt_logprobs"][0], off_run["prompt_logprobs"][0]
     assert len(ours) == len(theirs) == 49
