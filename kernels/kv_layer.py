@@ -1,7 +1,7 @@
 """One attention layer's compressed KV pages driven by the Triton kernels: the GPU path of the vLLM backend.
 
-`TritonKVLayer` owns what the kernels need next to vLLM's page tensor: the layer's decode table and its
-packed form on the pages' device, a `PageWriter` and a device overflow store. It knows nothing of vLLM: the
+`TritonKVLayer` owns what the kernels need next to vLLM's page tensor: the layer's decode table (windows) and
+its packed tops on the pages' device, a `PageWriter` and a device overflow store. It knows nothing of vLLM: the
 backend (`glyd_engine.vllm_plugin.triton_backend`) hands it the step's tensors, and the tests drive it with
 hand-made batches (under TRITON_INTERPRET=1 on the CPU). A batch whose queries are all single decode tokens
 takes the decode kernel (split over long contexts); any other batch (prefill runs, chunks, mixed) the
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from glyd_engine.format.kv_page import TABLE_SIZE, KVPageLayout
-from kernels.kv_decode_attention import decode_pages, kv_decode_attention, pack_tables
+from kernels.kv_decode_attention import decode_pages, kv_decode_attention, pack_bases
 from kernels.kv_page_write import DeviceOverflowStore, PageWriter
 from kernels.kv_prefill_attention import kv_prefill_attention
 
@@ -31,7 +31,7 @@ class TritonKVLayer:
         self.pages = pages
         dec = decode_table.to(pages.device).contiguous()
         self.writer = PageWriter(layout, dec)
-        self.tables = pack_tables(dec)
+        self.bases = pack_bases(dec)
         self.overflow = DeviceOverflowStore(pages.shape[0], pages.shape[1], device=pages.device)
 
     def write(self, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
@@ -44,9 +44,9 @@ class TritonKVLayer:
         num_seqs = seq_lens.shape[0]
         overflow = self._overflow()
         if max_query_len == 1 and query.shape[0] == num_seqs:
-            return kv_decode_attention(query, self.pages, self.layout, self.tables, block_table, seq_lens,
+            return kv_decode_attention(query, self.pages, self.layout, self.bases, block_table, seq_lens,
                                        max_seq_len, scale, overflow=overflow, out=out)
-        return kv_prefill_attention(query, self.pages, self.layout, self.tables, block_table, seq_lens,
+        return kv_prefill_attention(query, self.pages, self.layout, self.bases, block_table, seq_lens,
                                     query_start_loc, max_query_len, scale, overflow=overflow, out=out)
 
     def _overflow(self) -> DeviceOverflowStore | None:
@@ -55,7 +55,7 @@ class TritonKVLayer:
 
     def read(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(K, V) [N, H, B, D] bf16 of these pages through the attention kernels' decoder (check mode)."""
-        return decode_pages(self.pages, self.layout, self.tables, blocks, self._overflow())
+        return decode_pages(self.pages, self.layout, self.bases, blocks, self._overflow())
 
 
 __all__ = ["TritonKVLayer"]

@@ -4,13 +4,14 @@ Two launches over (group of TB tokens of the call, KV head), K and V in the same
 its head's tables once:
 
 1. `_write_rows_kernel`: split each bf16 value into exponent and sign/mantissa, code the exponent
-   against the channel's 7-entry table (7 = escape), write the tokens' sign/mantissa rows and their 3
-   code-plane rows, and each row's escape count into scratch. Rows of one page written by one call do
+   against the channel's window (code = top - exponent, 7 = escape when outside 0..6), write the tokens'
+   sign/mantissa rows and their 3 code-plane rows (32-bit words, the format's bit order), and each row's
+   escape count into scratch. Rows of one page written by one call do
    not depend on each other here.
 2. `_write_escapes_kernel`: once every code row of the call is in place, each token sums the escapes
    of its page's rows before it (rows this call wrote: the scratch counts; rows of earlier calls:
    popcounts of plane0 & plane1 & plane2 bytes), adds its in-row prefix count (its flags read back from
-   its code planes, no table lookup), and stores its escape exponents at those ranks in the page's escape
+   its code-plane words, no table lookup), and stores its escape exponents at those ranks in the page's escape
    area. Ranks at or past the reserve are not stored: they are counted (`stats[kv]`) and their row's first
    rank is kept.
 
@@ -32,7 +33,14 @@ import triton
 import triton.language as tl
 
 from glyd_engine.format import bf16
-from glyd_engine.format.kv_page import ESCAPE, OVERFLOW_MIN_RUN, KVPageLayout, OverflowStore, encode_table
+from glyd_engine.format.kv_page import (
+    ESCAPE,
+    OVERFLOW_MIN_RUN,
+    KVPageLayout,
+    OverflowStore,
+    encode_table,
+    window_bases,
+)
 
 
 @dataclass
@@ -65,18 +73,23 @@ def _row_bits(x_ptr, t, ok, stride_x0, D: tl.constexpr):
 
 
 @triton.jit
-def _codes(x_ptr, t, ok, tab_ptr, stride_x0, D: tl.constexpr):
-    """bf16 rows [TB, D] of tokens t -> (exponent, sign/mantissa, code) int32 against the 7-entry tables,
-    loaded once a program."""
+def _codes(x_ptr, t, ok, top_ptr, stride_x0, D: tl.constexpr):
+    """bf16 rows [TB, D] of tokens t -> (exponent, sign/mantissa, code) int32 against the channels' windows
+    (tops loaded once a program)."""
     d = tl.arange(0, D)
     bits = _row_bits(x_ptr, t, ok, stride_x0, D)
     e = (bits >> 7) & 0xFF
     sm = ((bits >> 8) & 0x80) | (bits & 0x7F)
-    code = tl.full(e.shape, 7, tl.int32)
-    for c in tl.static_range(6, -1, -1):  # reversed: were an exponent listed twice, the first code wins
-        tv = tl.load(tab_ptr + d * 7 + c).to(tl.int32)
-        code = tl.where(e == tv[None, :], c, code)
+    c = tl.load(top_ptr + d).to(tl.int32)[None, :] - e
+    code = tl.where((c >= 0) & (c < 7), c, 7)
     return e, sm, code
+
+
+@triton.jit
+def _bit_shifts():
+    """[32]: where channel i of a 32-channel word puts its code bit (kv_page.code_bit_positions)."""
+    i = tl.arange(0, 32)
+    return 8 * (i % 4) + i // 4
 
 
 @triton.jit
@@ -91,25 +104,28 @@ def _tokens(slots_ptr, cache_ptr, T, h, page_bytes, num_kv_heads, B: tl.constexp
 
 
 @triton.jit
-def _write_rows_kernel(key_ptr, val_ptr, slots_ptr, dec_ptr, cache_ptr, count_ptr, T, stride_x0, stride_x1,
-                       page_bytes, num_kv_heads, D: tl.constexpr, B: tl.constexpr, TB: tl.constexpr,
+def _write_rows_kernel(key_ptr, val_ptr, slots_ptr, top_ptr, cache_ptr, cache_w_ptr, count_ptr, T, stride_x0,
+                       stride_x1, page_bytes, num_kv_heads, D: tl.constexpr, B: tl.constexpr, TB: tl.constexpr,
                        K_SM: tl.constexpr, V_SM: tl.constexpr, K_CODE: tl.constexpr, V_CODE: tl.constexpr):
     h = tl.program_id(1)
     t, ok, slot, off, page = _tokens(slots_ptr, cache_ptr, T, h, page_bytes, num_kv_heads, B, TB)
     d = tl.arange(0, D)
-    j = tl.arange(0, D // 8)
-    b = tl.arange(0, 8)
+    W: tl.constexpr = D // 32
+    k = tl.arange(0, W)
+    sh = _bit_shifts()
+    blk = tl.where(ok, slot // B, 0)
+    page_word = (blk * num_kv_heads + h) * (page_bytes // 4)  # pages and code rows are whole words
     for kv in tl.static_range(2):
         x_ptr = (key_ptr if kv == 0 else val_ptr) + h * stride_x1
-        e, sm, code = _codes(x_ptr, t, ok, dec_ptr + (kv * num_kv_heads + h) * D * 7, stride_x0, D)
+        e, sm, code = _codes(x_ptr, t, ok, top_ptr + (kv * num_kv_heads + h) * D, stride_x0, D)
         SM = K_SM if kv == 0 else V_SM
         CO = K_CODE if kv == 0 else V_CODE
         tl.store(page[:, None] + SM + off[:, None] * D + d[None, :], sm.to(tl.uint8), mask=ok[:, None])
-        c3 = tl.reshape(code, (TB, D // 8, 8))
-        row = page[:, None] + CO + off[:, None] * (3 * D // 8) + j[None, :]
+        c3 = tl.reshape(code, (TB, W, 32))
+        row = cache_w_ptr + page_word[:, None] + (CO + off[:, None] * (3 * D // 8)) // 4 + k[None, :]
         for p in tl.static_range(3):
-            byte = tl.sum(((c3 >> p) & 1) << b[None, None, :], axis=2)
-            tl.store(row + p * (D // 8), byte.to(tl.uint8), mask=ok[:, None])
+            word = tl.sum(((c3 >> p) & 1) << sh[None, None, :], axis=2)  # distinct bits: the sum is their OR
+            tl.store(row + p * W, word, mask=ok[:, None])
         # this row's escape count, so the escape pass need not re-count rows written by this call
         tl.store(count_ptr + (t * num_kv_heads + h) * 2 + kv, tl.sum((code == 7).to(tl.int32), axis=1), mask=ok)
 
@@ -122,7 +138,7 @@ def _popc8(x):
 
 
 @triton.jit
-def _write_escapes_kernel(key_ptr, val_ptr, slots_ptr, cache_ptr, count_ptr, stats_ptr, first_rank_ptr, T,
+def _write_escapes_kernel(key_ptr, val_ptr, slots_ptr, cache_ptr, cache_w_ptr, count_ptr, stats_ptr, first_rank_ptr, T,
                           stride_x0, stride_x1, page_bytes, num_kv_heads,
                           D: tl.constexpr, B: tl.constexpr, TB: tl.constexpr, K_CODE: tl.constexpr,
                           V_CODE: tl.constexpr, K_ESC: tl.constexpr, V_ESC: tl.constexpr, K_RES: tl.constexpr,
@@ -156,17 +172,21 @@ def _write_escapes_kernel(key_ptr, val_ptr, slots_ptr, cache_ptr, count_ptr, sta
                 base_k += n
             else:
                 base_v += n
-    b = tl.arange(0, 8)
+    W: tl.constexpr = D // 32
+    k = tl.arange(0, W)
+    sh = _bit_shifts()
+    blk = tl.where(ok, slot // B, 0)
+    page_word = (blk * num_kv_heads + h) * (page_bytes // 4)
     for kv in tl.static_range(2):
         CO = K_CODE if kv == 0 else V_CODE
         ESC = K_ESC if kv == 0 else V_ESC
         RES = K_RES if kv == 0 else V_RES
         base = base_k if kv == 0 else base_v
-        # this row's escape flags from the code planes the first pass wrote (code 7: all three bits set)
-        row = page[:, None] + CO + off[:, None] * (3 * D // 8) + j[None, :]
-        f8 = (tl.load(row, mask=ok[:, None], other=0) & tl.load(row + D // 8, mask=ok[:, None], other=0)
-              & tl.load(row + 2 * (D // 8), mask=ok[:, None], other=0)).to(tl.int32)
-        flags = tl.reshape((f8[:, :, None] >> b[None, None, :]) & 1, (TB, D))
+        # this row's escape flags from the code words the first pass wrote (code 7: all three bits set)
+        row = cache_w_ptr + page_word[:, None] + (CO + off[:, None] * (3 * D // 8)) // 4 + k[None, :]
+        fw = (tl.load(row, mask=ok[:, None], other=0) & tl.load(row + W, mask=ok[:, None], other=0)
+              & tl.load(row + 2 * W, mask=ok[:, None], other=0))
+        flags = tl.reshape((fw[:, :, None] >> sh[None, None, :]) & 1, (TB, D))
         e = (_row_bits((key_ptr if kv == 0 else val_ptr) + h * stride_x1, t, ok, stride_x0, D) >> 7) & 0xFF
         rank = base[:, None] + tl.cumsum(flags, axis=1) - flags  # (byte popcounts instead: no faster, run 15)
         is_esc = flags != 0
@@ -184,12 +204,12 @@ def _offsets(layout: KVPageLayout) -> dict[str, int]:
 
 
 class PageWriter:
-    """Write path of one layer: decode table uint8 [2, H, D, 7] on the cache's device, and scratch."""
+    """Write path of one layer: decode table uint8 [2, H, D, 7] (windows) on the cache's device, and scratch."""
 
-    def __init__(self, layout: KVPageLayout, decode_table: torch.Tensor, tokens_per_program: int = 16,
+    def __init__(self, layout: KVPageLayout, decode_table: torch.Tensor, tokens_per_program: int = 32,
                  num_warps: int = 4, escape_tokens_per_program: int = 4, escape_num_warps: int = 1) -> None:
-        if layout.head_size & (layout.head_size - 1) or layout.head_size < 8:
-            raise ValueError(f"the Triton page writer needs a power-of-two head size, not {layout.head_size}")
+        if layout.head_size & (layout.head_size - 1) or layout.head_size < 32:
+            raise ValueError(f"the Triton page writer needs a power-of-two head size >= 32, not {layout.head_size}")
         if layout.block_size & (layout.block_size - 1):
             raise ValueError(f"the Triton page writer needs a power-of-two block size, not {layout.block_size}")
         for name, n in (("tokens_per_program", tokens_per_program), ("num_warps", num_warps),
@@ -198,7 +218,7 @@ class PageWriter:
             if n < 1 or n & (n - 1):
                 raise ValueError(f"{name} must be a power of two, not {n}")
         self.layout = layout
-        self.dec = decode_table.contiguous()
+        self.tops = window_bases(decode_table).contiguous()
         self.enc = encode_table(decode_table.cpu()).to(decode_table.device)
         self.counters = WriteCounters()
         # powers of two; the defaults are the H200's best (docs/gpu.md): a token group shares the tables' loads
@@ -225,13 +245,14 @@ class PageWriter:
         offs = _offsets(lay)
         tb, etb = self.tokens_per_program, self.escape_tokens_per_program
         grid = (triton.cdiv(T, tb), H)
-        _write_rows_kernel[grid](key, value, slots, self.dec, cache, counts, T, key.stride(0), key.stride(1),
+        cache_w = cache.view(-1).view(torch.int32)
+        _write_rows_kernel[grid](key, value, slots, self.tops, cache, cache_w, counts, T, key.stride(0), key.stride(1),
                                  lay.page_bytes, H, D=D, B=lay.block_size, TB=tb, K_SM=offs["K_SM"],
                                  V_SM=offs["V_SM"], K_CODE=offs["K_CODE"], V_CODE=offs["V_CODE"],
                                  num_warps=self.num_warps)
         if not escapes:
             return stats, first
-        _write_escapes_kernel[(triton.cdiv(T, etb), H)](key, value, slots, cache, counts, stats, first, T,
+        _write_escapes_kernel[(triton.cdiv(T, etb), H)](key, value, slots, cache, cache_w, counts, stats, first, T,
                                     key.stride(0), key.stride(1), lay.page_bytes, H, D=D, B=lay.block_size, TB=etb,
                                     K_CODE=offs["K_CODE"], V_CODE=offs["V_CODE"], K_ESC=offs["K_ESC"],
                                     V_ESC=offs["V_ESC"], K_RES=offs["K_RES"], V_RES=offs["V_RES"],

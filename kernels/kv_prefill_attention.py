@@ -2,7 +2,7 @@
 
 As vLLM's unified attention does, the step's own K/V are already in the pages (the page writer runs first),
 so every query reads one thing: the sequence's pages, decoded in registers by the decode kernel's decoder
-(`_decode_half`), under a causal mask. Query token i of a sequence with L tokens in all and q new ones sits at
+(`_decode_rows`), under a causal mask. Query token i of a sequence with L tokens in all and q new ones sits at
 position L - q + i and sees keys 0..L - q + i. A batch may mix prefill runs, chunks of a longer prefill (pages
 already full before the chunk) and single decode tokens, in vLLM's varlen layout (`query_start_loc`).
 
@@ -23,22 +23,23 @@ from glyd_engine.format.kv_page import KVPageLayout, OverflowStore
 from kernels.kv_decode_attention import (
     _INTERPRET,
     _check_query,
-    _decode_half,
-    _head_tables,
+    _decode_rows,
+    _head_bases,
     _offsets,
     _overflow_args,
+    _overflow_offsets,
     _softmax_step,
 )
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, out_ptr, cache_ptr, cache_w_ptr, tbl_ptr, ovf_ptr, arena_ptr, block_table_ptr,
+def _prefill_kernel(q_ptr, out_ptr, cache_w_ptr, base_ptr, ovf_ptr, arena_w_ptr, arena_words, block_table_ptr,
                     seq_lens_ptr, q_start_ptr, scale_log2, stride_q0, stride_q1, stride_o0, stride_o1, bt_stride,
-                    page_bytes, num_kv_heads,
+                    page_words, num_kv_heads,
                     G: tl.constexpr, BLOCK_Q: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, B: tl.constexpr,
                     K_SM: tl.constexpr, V_SM: tl.constexpr, K_CODE: tl.constexpr, V_CODE: tl.constexpr,
                     K_ESC: tl.constexpr, V_ESC: tl.constexpr, K_RES: tl.constexpr, V_RES: tl.constexpr,
-                    CHECK_OVF: tl.constexpr, DOT_F32: tl.constexpr, USE_ASM: tl.constexpr, VEC: tl.constexpr):
+                    CHECK_OVF: tl.constexpr, DOT_F32: tl.constexpr, USE_ASM: tl.constexpr):
     seq = tl.program_id(0)
     h = tl.program_id(1)
     q0 = tl.program_id(2) * BLOCK_Q
@@ -56,23 +57,22 @@ def _prefill_kernel(q_ptr, out_ptr, cache_ptr, cache_w_ptr, tbl_ptr, ovf_ptr, ar
         q = tl.load(q_ptr + tok[:, None] * stride_q0 + hq[:, None] * stride_q1 + d[None, :], mask=r_ok[:, None],
                     other=0.0).to(tl.bfloat16)
         pos = before + qi  # each row's position: it sees keys 0..pos
-        k_lo, k_hi, v_lo, v_hi = _head_tables(tbl_ptr, h, num_kv_heads, D, USE_ASM)
+        k_base, v_base = _head_bases(base_ptr, h, num_kv_heads, D)
         m_i = tl.full([ROWS], -1.0e30, tl.float32)
         l_i = tl.zeros([ROWS], tl.float32)
         acc = tl.zeros([ROWS, D], tl.float32)
         row = tl.arange(0, B)
-        ovf_head = ovf_ptr + h * 2
         n_pages = tl.cdiv(tl.minimum(before + q0 + BLOCK_Q, seq_len), B)
         for p in range(0, n_pages):
             blk = tl.load(block_table_ptr + seq.to(tl.int64) * bt_stride + p).to(tl.int64)
-            page_off = (blk * num_kv_heads + h) * page_bytes + row * 0
+            page_w = cache_w_ptr + (blk * num_kv_heads + h) * page_words
             kpos = p * B + row
             valid = kpos < seq_len
-            ob = blk * num_kv_heads * 2 + row * 0
-            kt = _decode_half(cache_ptr, cache_w_ptr, arena_ptr, ovf_head + ob, page_off, row, valid, k_lo, k_hi,
-                              0, K_SM, K_CODE, K_ESC, K_RES, B, D, 1, CHECK_OVF, USE_ASM, VEC)
-            vt = _decode_half(cache_ptr, cache_w_ptr, arena_ptr, ovf_head + ob, page_off, row, valid, v_lo, v_hi,
-                              1, V_SM, V_CODE, V_ESC, V_RES, B, D, 1, CHECK_OVF, USE_ASM, VEC)
+            k_ovf, v_ovf = _overflow_offsets(ovf_ptr, blk, h, valid, num_kv_heads, CHECK_OVF)
+            kt = _decode_rows(page_w, valid, k_ovf, k_base, arena_w_ptr, arena_words, B, K_SM // 4, K_CODE // 4, D,
+                              0, K_ESC, K_RES, CHECK_OVF, USE_ASM)
+            vt = _decode_rows(page_w, valid, v_ovf, v_base, arena_w_ptr, arena_words, B, V_SM // 4, V_CODE // 4, D,
+                              0, V_ESC, V_RES, CHECK_OVF, USE_ASM)
             mask = valid[None, :] & (kpos[None, :] <= pos[:, None])
             m_i, l_i, acc = _softmax_step(q, kt, vt, mask, valid, m_i, l_i, acc, scale_log2, DOT_F32)
         o = acc / tl.maximum(l_i, 1e-30)[:, None]
@@ -80,16 +80,16 @@ def _prefill_kernel(q_ptr, out_ptr, cache_ptr, cache_w_ptr, tbl_ptr, ovf_ptr, ar
                  o.to(out_ptr.dtype.element_ty), mask=r_ok[:, None])
 
 
-def kv_prefill_attention(query: torch.Tensor, cache: torch.Tensor, layout: KVPageLayout, tables: torch.Tensor,
+def kv_prefill_attention(query: torch.Tensor, cache: torch.Tensor, layout: KVPageLayout, bases: torch.Tensor,
                          block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                          max_query_len: int, scale: float, overflow: OverflowStore | None = None,
-                         out: torch.Tensor | None = None, block_q: int | None = None, num_warps: int = 4,
-                         vec: int = 4) -> torch.Tensor:
+                         out: torch.Tensor | None = None, block_q: int | None = None, num_warps: int = 4
+                         ) -> torch.Tensor:
     """Causal attention of a varlen batch over its pages.
 
     query [total_q, Hq, D] bf16; query_start_loc int32 [S + 1] (sequence s's queries are rows
     query_start_loc[s]..[s + 1]); seq_lens int32 [S]: tokens in the pages per sequence, this step's
-    included; `max_query_len` (host int) sizes the grid. cache, tables, block_table, overflow as for
+    included; `max_query_len` (host int) sizes the grid. cache, bases, block_table, overflow as for
     `kv_decode_attention`. block_q: query tokens a program (default: 64 rows of query heads, at least 1).
     Returns out [total_q, Hq, D] in query's dtype.
     """
@@ -104,12 +104,12 @@ def kv_prefill_attention(query: torch.Tensor, cache: torch.Tensor, layout: KVPag
         return out
     block_q = block_q or max(1, 64 // G)
     rows = max(16, triton.next_power_of_2(block_q * G))
-    ovf_ptr, arena, check_ovf = _overflow_args(overflow, cache)
+    ovf_ptr, arena_w, check_ovf = _overflow_args(overflow, cache)
     _prefill_kernel[(S, H, triton.cdiv(max(1, max_query_len), block_q))](
-        query, out, cache, cache.view(-1).view(torch.int32), tables, ovf_ptr, arena, block_table, seq_lens,
-        query_start_loc, scale * 1.4426950408889634, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        block_table.stride(0), layout.page_bytes, H, G=G, BLOCK_Q=block_q, ROWS=rows, D=D, B=layout.block_size,
-        CHECK_OVF=check_ovf, DOT_F32=_INTERPRET, USE_ASM=not _INTERPRET, VEC=vec, num_warps=num_warps,
+        query, out, cache.view(-1).view(torch.int32), bases, ovf_ptr, arena_w, arena_w.numel(), block_table,
+        seq_lens, query_start_loc, scale * 1.4426950408889634, query.stride(0), query.stride(1), out.stride(0),
+        out.stride(1), block_table.stride(0), layout.page_bytes // 4, H, G=G, BLOCK_Q=block_q, ROWS=rows, D=D,
+        B=layout.block_size, CHECK_OVF=check_ovf, DOT_F32=_INTERPRET, USE_ASM=not _INTERPRET, num_warps=num_warps,
         **_offsets(layout))
     return out
 

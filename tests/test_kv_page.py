@@ -10,13 +10,12 @@ from glyd_engine.format import bf16, kv_page
 from tests.test_bf16_planes import all_patterns
 
 
-def top7_tables(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def window_tables_for(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Decode tables [2, H, D, 7] from the data itself (what the table build does per model)."""
     out = []
     for x in (k, v):
         e, _ = bf16.split(x)
-        counts = torch.nn.functional.one_hot(e.to(torch.int64), 256).sum(0)  # [H, D, 256]
-        out.append(torch.topk(counts, 7, dim=-1).indices.to(torch.uint8))
+        out.append(kv_page.best_windows(torch.nn.functional.one_hot(e.to(torch.int64), 256).sum(0)))
     return torch.stack(out)
 
 
@@ -64,7 +63,7 @@ def test_all_patterns_as_k_and_v_with_overflow():
     h, d, b = 3, 64, 16
     x = torch.cat([all_patterns()[torch.randperm(65536)], all_patterns()[:128]]).reshape(-1, h, d)
     n = x.shape[0]
-    codec = kv_page.KVPageCodec(layout(d, b), top7_tables(x, x.flip(0)))
+    codec = kv_page.KVPageCodec(layout(d, b), window_tables_for(x, x.flip(0)))
     nb = (n + b - 1) // b + 2
     cache, ovf = codec.new_cache(nb), codec.new_overflow(nb)
     cache.random_(0, 256)  # pages are reused without being zeroed
@@ -85,7 +84,7 @@ def test_all_patterns_as_k_and_v_with_overflow():
 @st.composite
 def kv_case(draw):
     h = draw(st.integers(1, 3))
-    d = draw(st.sampled_from([8, 16, 64, 128]))
+    d = draw(st.sampled_from([8, 16, 64, 80, 128]))  # 80: whole words and a tail
     b = draw(st.sampled_from([1, 2, 16, 32]))
     n = draw(st.integers(1, 70))
     g = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
@@ -109,7 +108,7 @@ def kv_case(draw):
         v = sp[torch.randint(0, 8, (n, h, d), generator=g)].view(torch.bfloat16)
     # Tables from other data than the pages hold, sometimes: escapes and overflow get exercised.
     use_own = draw(st.booleans())
-    tables = top7_tables(k, v) if use_own else top7_tables(*(
+    tables = window_tables_for(k, v) if use_own else window_tables_for(*(
         (torch.randn(8, h, d, generator=g) * 0.1).to(torch.bfloat16) for _ in range(2)))
     runs = []
     left = n
@@ -150,7 +149,7 @@ def test_padding_slots_are_ignored_and_order_does_not_matter():
     h, d, b, n = 2, 16, 4, 10
     k = (torch.randn(n, h, d)).to(torch.bfloat16)
     v = (torch.randn(n, h, d)).to(torch.bfloat16)
-    codec = kv_page.KVPageCodec(layout(d, b), top7_tables(k, v))
+    codec = kv_page.KVPageCodec(layout(d, b), window_tables_for(k, v))
     blocks = torch.tensor([5, 2, 7])
     slots = slots_for(n, b, blocks)
     perm = torch.randperm(n)
@@ -159,3 +158,33 @@ def test_padding_slots_are_ignored_and_order_does_not_matter():
     codec.write(cache, ovf, torch.cat([k[perm], k[:3]]), torch.cat([v[perm], v[:3]]), torch.cat([slots[perm], pad]))
     rk, rv = read_tokens(codec, cache, ovf, blocks, n)
     assert same_bits(rk, k) and same_bits(rv, v)
+
+
+def test_code_bits_sit_where_the_format_says():
+    """Channel 32k + 4j + b's code bit p is bit 8b + j of plane p's little-endian word k; a tail keeps bit c."""
+    for d in (64, 80):
+        for c in range(d):
+            codes = torch.zeros(1, d, dtype=torch.int64)
+            codes[0, c] = 5  # planes 0 and 2
+            planes = kv_page._pack_codes(codes)[0]  # [3, D/8] bytes
+            k, i = divmod(c, 32)
+            q = 32 * k + 8 * (i % 4) + i // 4 if c < d - d % 32 else c
+            want = torch.zeros(d // 8, dtype=torch.uint8)
+            want[q // 8] = 1 << (q % 8)
+            assert torch.equal(planes[0], want) and torch.equal(planes[2], want) and not planes[1].any()
+            assert torch.equal(kv_page._unpack_codes(planes.unsqueeze(0))[0], codes[0])
+
+
+def test_window_tables_are_what_the_codec_takes():
+    tops = torch.tensor([[7, 126, 255]], dtype=torch.uint8)
+    dec = kv_page.window_tables(tops)
+    assert dec[0, 1].tolist() == [126, 125, 124, 123, 122, 121, 120]
+    assert torch.equal(kv_page.window_bases(dec), tops)
+    with pytest.raises(ValueError, match="at least 7"):
+        kv_page.window_tables(torch.tensor([6], dtype=torch.uint8))
+    with pytest.raises(ValueError, match="windows"):
+        kv_page.window_bases(dec.flip(-1))
+    counts = torch.zeros(256, dtype=torch.int64)
+    counts[[0, 3, 130, 131, 136]] = torch.tensor([50, 50, 10, 10, 9])
+    # no window holds exponent 0 (tops >= 7); those holding 3 (50) beat 130..136 (29); ties go to the highest top
+    assert kv_page.best_windows(counts).tolist() == [9, 8, 7, 6, 5, 4, 3]

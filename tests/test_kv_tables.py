@@ -13,7 +13,7 @@ from glyd_engine.tables import KVTables, build, ensure_tables, tables_path
 
 def test_file_round_trip_and_damage(tmp_path):
     t = KVTables.uniform(3, 2, 16, fingerprint="abc")
-    t.decode[1, 0, 1, 2] = torch.tensor([1, 2, 3, 4, 5, 6, 7], dtype=torch.uint8)
+    t.decode[1, 0, 1, 2] = torch.tensor([7, 6, 5, 4, 3, 2, 1], dtype=torch.uint8)
     p = tmp_path / "t.safetensors"
     t.save(p)
     back = KVTables.load(p, "abc")
@@ -30,12 +30,13 @@ def test_file_round_trip_and_damage(tmp_path):
         KVTables.load(p)
 
 
-def test_counts_to_tables_picks_the_most_frequent_and_sizes_the_reserve():
+def test_counts_to_tables_picks_the_fullest_window_and_sizes_the_reserve():
     counts = torch.zeros(1, 2, 1, 8, 256, dtype=torch.int64)
     counts[..., 100:110] = torch.arange(10, 0, -1)  # 100 most frequent ... 109 least
+    counts[..., 120] = 7  # frequent, but no window holds it with the 7 around 100..106
     decode, floor, reserve = build.counts_to_tables(counts)
-    assert decode[0, 0, 0, 0].tolist() == list(range(100, 107))
-    miss = (3 + 2 + 1) / 55  # the three rarest of ten exponents escape
+    assert decode[0, 0, 0, 0].tolist() == list(range(106, 99, -1))  # code c = 106 - c
+    miss = (3 + 2 + 1 + 7) / 62  # the three rarest of 100..109 and 120 escape
     assert reserve == [max(1, int(torch.tensor(8 * miss).ceil()))] * 2
     assert 0 < float(floor.min()) < 4
 
@@ -85,3 +86,25 @@ def test_build_is_cancellable_and_reused(demo_model_dir, tmp_path, monkeypatch):
     assert len(calls) == 1 and len(results) == 2
     assert torch.equal(results[0].decode, results[1].decode)
     assert Path(path).exists()
+
+
+def test_tables_of_an_older_version_or_not_windows_are_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    t = KVTables.uniform(2, 1, 32, fingerprint="abc")
+    p = tmp_path / "t.safetensors"
+    t.save(p)
+    from safetensors import safe_open
+
+    with safe_open(str(p), "pt") as f:
+        meta = dict(f.metadata())
+    tensors = load_file(str(p))
+    old = dict(meta, tables_version="1")
+    save_file(tensors, str(p), metadata=old)
+    with pytest.raises(CorruptFileError, match="version-1 KV tables.*rebuild"):
+        KVTables.load(p)
+    # a top-7 table (version 1's kind) under the current version: refused by its content, checksum intact
+    t.decode[0, 0, 0, 0] = torch.tensor([126, 125, 127, 124, 123, 122, 121], dtype=torch.uint8)
+    t.save(p)
+    with pytest.raises(CorruptFileError, match="windows"):
+        KVTables.load(p)

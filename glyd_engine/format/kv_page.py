@@ -1,15 +1,18 @@
 """The KV page code: vLLM's fixed-size pages holding ~11.4 bits a bf16 value, every value exact.
 
 Per token and KV head, K and V each store D sign/mantissa bytes, D 3-bit exponent codes (3 bit planes of
-D/8 bytes) and E bytes of escape reserve. Code c < 7 means "the c-th exponent of this channel's table";
-7 means "escape": the exponent is stored whole, in the page's escape area, in (token, channel) order, so
-the j-th escape of a page is byte j of that area. The reserve is pooled over the page (B tokens x E
+D/8 bytes) and E bytes of escape reserve. Each channel's table is a window of 7 exponents: code c < 7 means
+exponent `base - c` (base >= 7, one byte a channel); 7 means "escape": the exponent is stored whole, in the
+page's escape area, in (token, channel) order, so the j-th escape of a page is byte j of that area.
+Windows and the bit order below let a GPU decode 4 values with a few 32-bit operations (kernels/).
+The reserve is pooled over the page (B tokens x E
 bytes), which absorbs the rare token with many escapes. Escapes beyond the reserve go to the block's
 overflow run (`OverflowStore`), outside the page: the defined lossless path for rare prompts.
 
 Layout of one page (one block, one KV head), B = block size, D = head size, sections in this order:
   k_sm  [B, D]        v_sm  [B, D]
-  k_code[B, 3, D/8]   v_code[B, 3, D/8]     plane p, byte j, bit b = bit p of channel 8j+b's code
+  k_code[B, 3, D/8]   v_code[B, 3, D/8]     plane p's 32-bit word k (little endian), bit 8b + j = bit p of
+                                            channel 32k + 4j + b's code (`code_bit_positions`)
   k_esc [B * E_k]     v_esc [B * E_v]
 Appending token t writes row t of each section plus its escapes after those of rows < t (counted from
 the code planes, so a page carries no counter and is valid for any fill). Nothing else is rewritten.
@@ -27,6 +30,52 @@ from glyd_engine.format import bf16
 CODE_BITS = 3
 ESCAPE = (1 << CODE_BITS) - 1  # code 7
 TABLE_SIZE = ESCAPE  # exponents a channel's table holds
+MIN_WINDOW_TOP = ESCAPE  # base - code never borrows, for any code 0..7: 4 codes subtract as one 32-bit word
+WORD_CHANNELS = 32  # channels whose code bits share a 32-bit plane word
+
+
+def code_bit_positions(head_size: int) -> torch.Tensor:
+    """int64 [D]: where channel c's code bit sits in a row's plane (bit q = byte q // 8, bit q % 8).
+
+    In each whole 32-channel word, channel 32k + 4j + b sits at bit 8b + j, so a rotate and a mask give the
+    codes of channels 4j..4j+3 as the four bytes of one word. A tail of fewer than 32 channels (head sizes
+    that are not multiples of 32; the GPU kernels refuse those) keeps the plain order, bit c.
+    """
+    c = torch.arange(head_size)
+    whole = head_size - head_size % WORD_CHANNELS
+    i = c % WORD_CHANNELS
+    pos = c - i + 8 * (i % 4) + i // 4
+    return torch.where(c < whole, pos, c)
+
+
+def window_tables(bases: torch.Tensor) -> torch.Tensor:
+    """uint8 [...] window tops -> decode tables uint8 [..., 7]: code c stands for base - c."""
+    if bases.numel() and int(bases.min()) < MIN_WINDOW_TOP:
+        raise ValueError(f"a window's top exponent must be at least {MIN_WINDOW_TOP}")
+    codes = torch.arange(TABLE_SIZE, dtype=torch.int16, device=bases.device)
+    return (bases.to(torch.int16).unsqueeze(-1) - codes).to(torch.uint8)
+
+
+def window_bases(decode_table: torch.Tensor) -> torch.Tensor:
+    """The tops of window decode tables [..., 7]; ValueError says what is wrong with any other table."""
+    if decode_table.dtype != torch.uint8 or decode_table.shape[-1] != TABLE_SIZE:
+        raise ValueError(f"decode tables must be uint8 [..., {TABLE_SIZE}], not {decode_table.dtype} "
+                         f"{tuple(decode_table.shape)}")
+    bases = decode_table[..., 0]
+    if (bases.numel() and int(bases.min()) < MIN_WINDOW_TOP) or not torch.equal(window_tables(bases), decode_table):
+        raise ValueError("decode tables must be windows (code c = top - c, top >= 7): tables from an older "
+                         "Glyd; rebuild them")
+    return bases
+
+
+def best_windows(counts: torch.Tensor) -> torch.Tensor:
+    """[..., 256] exponent counts -> decode tables [..., 7]: per channel the 7-wide window holding the most."""
+    c = torch.nn.functional.pad(counts.to(torch.int64).cumsum(-1), (1, 0))  # c[..., i] = counts below i
+    tops = torch.arange(MIN_WINDOW_TOP, 256, device=counts.device)
+    held = c[..., tops + 1] - c[..., tops + 1 - TABLE_SIZE]
+    # ties go to the highest top: exponents above a calibration's range are likelier than below it
+    best = (held.shape[-1] - 1) - torch.argmax(held.flip(-1), dim=-1)
+    return window_tables((tops[best]).to(torch.uint8))
 
 
 def default_escapes(head_size: int) -> int:
@@ -98,7 +147,10 @@ def encode_table(decode_table: torch.Tensor) -> torch.Tensor:
 
 def _pack_codes(codes: torch.Tensor) -> torch.Tensor:
     """[..., D] codes (0..7) -> [..., 3, D/8] bit-plane bytes."""
-    c = codes.to(torch.int32).reshape(*codes.shape[:-1], codes.shape[-1] // 8, 8)
+    d = codes.shape[-1]
+    by_bit = torch.empty_like(codes, dtype=torch.int32)
+    by_bit[..., code_bit_positions(d)] = codes.to(torch.int32)  # code at its bit position
+    c = by_bit.reshape(*codes.shape[:-1], d // 8, 8)
     weights = (1 << torch.arange(8, dtype=torch.int32))
     planes = [(((c >> p) & 1) * weights).sum(-1) for p in range(CODE_BITS)]
     return torch.stack(planes, dim=-2).to(torch.uint8)
@@ -110,8 +162,9 @@ _BITS = ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).to(torch.uint8
 def _unpack_codes(planes: torch.Tensor) -> torch.Tensor:
     """[..., 3, D/8] bit-plane bytes -> [..., D] codes (int64)."""
     bits = _BITS[planes.to(torch.int64)]  # [..., 3, D/8, 8]
-    codes = bits[..., 0, :, :] | (bits[..., 1, :, :] << 1) | (bits[..., 2, :, :] << 2)
-    return codes.reshape(*planes.shape[:-2], planes.shape[-1] * 8).to(torch.int64)
+    by_bit = bits[..., 0, :, :] | (bits[..., 1, :, :] << 1) | (bits[..., 2, :, :] << 2)
+    d = planes.shape[-1] * 8
+    return by_bit.reshape(*planes.shape[:-2], d)[..., code_bit_positions(d)].to(torch.int64)
 
 
 OVERFLOW_MIN_RUN = 16  # bytes: the smallest overflow run; runs double as a page's overflow grows
@@ -222,13 +275,14 @@ class KVPageCodec:
     """Encode/decode one attention layer's pages with that layer's tables (torch reference, any device).
 
     `decode_table` is uint8[2, H, D, 7]: for K (0) and V (1), each KV head and channel, the exponent that
-    code c stands for.
+    code c stands for (windows: `window_tables`).
     """
 
     def __init__(self, layout: KVPageLayout, decode_table: torch.Tensor) -> None:
         two, heads, d, t = decode_table.shape
         if two != 2 or d != layout.head_size or t != TABLE_SIZE:
             raise ValueError(f"decode table shape {tuple(decode_table.shape)} does not fit {layout}")
+        self.bases = window_bases(decode_table)
         self.layout = layout
         self.num_heads = heads
         self.dec = torch.cat([decode_table, torch.zeros(2, heads, d, 1, dtype=torch.uint8)], dim=-1)

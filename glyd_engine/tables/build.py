@@ -20,7 +20,7 @@ import torch
 from glyd_engine import paths
 from glyd_engine.errors import CorruptFileError
 from glyd_engine.format import bf16
-from glyd_engine.format.kv_page import TABLE_SIZE
+from glyd_engine.format.kv_page import best_windows
 from glyd_engine.model_shape import AttentionShape
 from glyd_engine.progress import CancelToken, PhaseTimer, ProgressCallback, no_progress
 from glyd_engine.tables.kv_tables import KVTables
@@ -56,14 +56,14 @@ def calibration_ids(tokenizer, seq_len: int, budget: int) -> list[torch.Tensor]:
 
 
 def counts_to_tables(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """[L, 2, H, D, 256] exponent counts -> decode tables, per-channel entropy, escape reserve (K, V)."""
-    top = torch.topk(counts, TABLE_SIZE, dim=-1)
-    decode = top.indices.to(torch.uint8)
+    """[L, 2, H, D, 256] exponent counts -> decode tables (windows), per-channel entropy, escape reserve (K, V)."""
+    decode = best_windows(counts)
     c = counts.to(torch.float64)
     total = c.sum(-1, keepdim=True).clamp(min=1)
     p = c / total
     floor = -(torch.where(p > 0, p * torch.log2(p), torch.zeros_like(p))).sum(-1).to(torch.float32)
-    miss = 1.0 - top.values.to(torch.float64).sum(-1) / total.squeeze(-1)  # [L, 2, H, D]
+    held = torch.gather(c, -1, decode.to(torch.int64)).sum(-1)
+    miss = 1.0 - held / total.squeeze(-1)  # [L, 2, H, D]
     per_token = miss.sum(-1)  # mean escapes a token, per layer, K/V, head
     reserve = [max(1, math.ceil(RESERVE_MARGIN * float(per_token[:, kv].mean()))) for kv in (0, 1)]
     return decode, floor, reserve

@@ -1,6 +1,7 @@
 """KVTables: what the KV page code needs per model, and its file (safetensors, atomic, checksummed).
 
-decode  uint8[L, 2, H, D, 7]   the 7 exponents codes 0..6 stand for, per layer, K/V, KV head, channel
+decode  uint8[L, 2, H, D, 7]   the 7 exponents codes 0..6 stand for, per layer, K/V, KV head, channel: a window,
+                              code c = top - c (glyd_engine.format.kv_page)
 floor   float32[L, 2, H, D]    order-0 exponent entropy per channel on the calibration text (bits)
 k_escapes, v_escapes           escape bytes reserved per token (pooled per page), from calibration
 """
@@ -16,7 +17,18 @@ import torch
 from glyd_engine.atomic import atomic_path
 from glyd_engine.errors import CorruptFileError
 from glyd_engine.format import FORMAT_VERSION
-from glyd_engine.format.kv_page import TABLE_SIZE, KVPageCodec, KVPageLayout, default_escapes
+from glyd_engine.format.kv_page import (
+    TABLE_SIZE,
+    KVPageCodec,
+    KVPageLayout,
+    default_escapes,
+    window_bases,
+    window_tables,
+)
+
+# Bumped when the tables' meaning changes, separately from FORMAT_VERSION (weights on disk stay valid):
+# 2 = window tables for the word-wide page decode (1 held each channel's 7 most frequent exponents).
+KV_TABLES_VERSION = 2
 
 
 @dataclass
@@ -61,8 +73,7 @@ class KVTables:
     def uniform(cls, num_layers: int, num_kv_heads: int, head_size: int, fingerprint: str = "uniform"
                 ) -> KVTables:
         """Tables with no calibration (exponents 120..126 everywhere): lossless, just less compact."""
-        dec = torch.arange(120, 120 + TABLE_SIZE, dtype=torch.uint8).expand(
-            num_layers, 2, num_kv_heads, head_size, TABLE_SIZE).contiguous()
+        dec = window_tables(torch.full((num_layers, 2, num_kv_heads, head_size), 126, dtype=torch.uint8))
         e = default_escapes(head_size)
         return cls(dec, torch.zeros(num_layers, 2, num_kv_heads, head_size), e, e, fingerprint, 0, 0)
 
@@ -79,6 +90,7 @@ class KVTables:
 
         meta = {
             "format": "glyd-kv-tables", "format_version": str(FORMAT_VERSION),
+            "tables_version": str(KV_TABLES_VERSION),
             "fingerprint": self.fingerprint, "window": str(self.window), "tokens": str(self.tokens),
             "k_escapes": str(self.k_escapes), "v_escapes": str(self.v_escapes),
             "build_seconds": f"{self.build_seconds:.1f}", "sha256": self._checksum(),
@@ -102,6 +114,9 @@ class KVTables:
             raise CorruptFileError(f"KV tables {path} are unreadable ({exc}); delete the file to rebuild it") from exc
         if meta.get("format") != "glyd-kv-tables" or meta.get("format_version") != str(FORMAT_VERSION):
             raise CorruptFileError(f"{path} is not a version-{FORMAT_VERSION} Glyd KV tables file")
+        if meta.get("tables_version", "1") != str(KV_TABLES_VERSION):
+            raise CorruptFileError(f"{path} holds version-{meta.get('tables_version', '1')} KV tables (this Glyd "
+                                   f"uses version {KV_TABLES_VERSION}); delete it to rebuild")
         try:
             t = cls(tensors["decode"], tensors["floor"], int(meta["k_escapes"]), int(meta["v_escapes"]),
                     meta["fingerprint"], int(meta["window"]), int(meta["tokens"]),
@@ -112,6 +127,10 @@ class KVTables:
             raise CorruptFileError(f"{path}: decode table has the wrong shape or type")
         if t._checksum() != meta.get("sha256"):
             raise CorruptFileError(f"{path}: checksum mismatch (damaged file); delete it to rebuild")
+        try:
+            window_bases(t.decode)
+        except ValueError as exc:
+            raise CorruptFileError(f"{path}: {exc}") from exc
         if fingerprint is not None and t.fingerprint != fingerprint:
             raise CorruptFileError(f"{path} belongs to another model (fingerprint {t.fingerprint[:12]})")
         return t

@@ -1,7 +1,7 @@
 """A faster CPU reader for KV pages: same result as `KVPageCodec.read`, bit for bit (tested against it).
 
 The reference reader unpacks codes and joins bf16 bits in int64/int32; here the bit planes are spread with
-a 256-entry table into uint8 codes, exponents come from one uint8 gather, and the bf16 bits are assembled
+a 256-entry table into uint8 codes, exponents are `top - code` in uint8, and the bf16 bits are assembled
 in int16. Escape ranks (a prefix count over the page) are computed only for pages that hold escapes.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from glyd_engine.format.kv_page import CODE_BITS, ESCAPE, KVPageCodec, OverflowStore
+from glyd_engine.format.kv_page import CODE_BITS, ESCAPE, KVPageCodec, OverflowStore, code_bit_positions
 
 _SPREAD = torch.tensor([[(x >> b) & 1 for b in range(8)] for x in range(256)], dtype=torch.uint8)
 
@@ -22,15 +22,16 @@ def read_pages(codec: KVPageCodec, cache: torch.Tensor, overflow: OverflowStore,
     blocks = blocks.to(torch.int64)
     n = blocks.numel()
     pages = cache[blocks]  # [N, H, page_bytes]
-    chan = (torch.arange(h).view(1, h, 1, 1) * d + torch.arange(d).view(1, 1, 1, d)) * (ESCAPE + 1)
+    positions = code_bit_positions(d)
     out = []
     for kv in (0, 1):
         so, co, eo = lay.sm_offset(kv), lay.code_offset(kv), lay.esc_offset(kv)
         sm = pages[:, :, so : so + b * d].reshape(n, h, b, d)
         planes = pages[:, :, co : co + b * lay.code_bytes].reshape(n, h, b, CODE_BITS, d // 8)
         bits = _SPREAD[planes.to(torch.int64)]  # [N, H, B, 3, D/8, 8]
-        codes = (bits[..., 0, :, :] | (bits[..., 1, :, :] << 1) | (bits[..., 2, :, :] << 2)).reshape(n, h, b, d)
-        exp = codec.dec[kv].reshape(-1)[chan + codes.to(torch.int64)]  # uint8 [N, H, B, D]
+        by_bit = (bits[..., 0, :, :] | (bits[..., 1, :, :] << 1) | (bits[..., 2, :, :] << 2)).reshape(n, h, b, d)
+        codes = by_bit[..., positions]
+        exp = codec.bases[kv].view(1, h, 1, d) - codes  # uint8 [N, H, B, D]; escapes' bytes are filled below
         flags = codes == ESCAPE
         if bool(flags.any()):
             exp = _escapes(lay.reserve(kv), pages[:, :, eo : eo + lay.reserve(kv)], overflow, blocks, kv,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from glyd_engine.format import bf16
-from glyd_engine.format.kv_page import TABLE_SIZE, KVPageLayout
+from glyd_engine.format.kv_page import KVPageLayout, best_windows
 
 
 def make_kv(T: int, H: int, D: int, gen: torch.Generator, spread: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -25,12 +25,11 @@ def make_kv(T: int, H: int, D: int, gen: torch.Generator, spread: float = 1.0) -
 
 
 def tables_from(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """decode table uint8 [2, H, D, 7]: each channel's 7 most frequent exponents in this data."""
+    """decode table uint8 [2, H, D, 7]: each channel's best 7-exponent window in this data."""
     out = []
     for x in (k, v):
         e, _ = bf16.split(x)
-        counts = torch.nn.functional.one_hot(e.to(torch.int64), 256).sum(0)  # [H, D, 256]
-        out.append(torch.topk(counts, TABLE_SIZE, dim=-1).indices.to(torch.uint8))
+        out.append(best_windows(torch.nn.functional.one_hot(e.to(torch.int64), 256).sum(0)))  # [H, D, 7]
     return torch.stack(out)
 
 

@@ -19,11 +19,11 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kv_kernel_helpers import layout, make_kv, tables_from  # noqa: E402
 
-from glyd_engine.format.kv_page import KVPageCodec  # noqa: E402
+from glyd_engine.format.kv_page import KVPageCodec, window_tables  # noqa: E402
 from kernels.kv_decode_attention import (  # noqa: E402
     decode_pages,
     kv_decode_attention,
-    pack_tables,
+    pack_bases,
     reference_attention,
 )
 from kernels.kv_page_write import DeviceOverflowStore, PageWriter  # noqa: E402
@@ -72,7 +72,7 @@ def test_write_matches_reference_and_decodes_exactly(D: int, e: int, tb: int, et
             assert torch.equal(cache[blk, :, a : a + n], ref_cache[blk, :, a : a + n])
     rk, rv = codec.read(ref_cache, ref_ovf, blocks)
     ok, ov = codec.read(cache, ovf, blocks)
-    dk, dv = decode_pages(cache, lay, pack_tables(dec), blocks, ovf)
+    dk, dv = decode_pages(cache, lay, pack_bases(dec), blocks, ovf)
     for i, blk in enumerate(blocks.tolist()):
         r = filled[blk]
         for a, b in ((rk, ok), (rv, ov), (rk, dk), (rv, dv)):
@@ -84,12 +84,14 @@ def test_write_matches_reference_and_decodes_exactly(D: int, e: int, tb: int, et
 
 def test_kernels_refuse_what_they_cannot_do() -> None:
     lay = layout(64)
-    dec = torch.zeros(2, 1, 64, 7, dtype=torch.uint8)
+    dec = window_tables(torch.full((2, 1, 64), 126, dtype=torch.uint8))
     with pytest.raises(ValueError, match="power of two"):
         PageWriter(lay, dec, tokens_per_program=3)
+    with pytest.raises(ValueError, match="windows"):  # a version-1 (top-7) table
+        PageWriter(lay, dec.flip(-1))
     cache = torch.zeros(1, 1, lay.page_bytes, dtype=torch.uint8)
     with pytest.raises(ValueError, match="bf16"):
-        kv_prefill_attention(torch.zeros(1, 1, 64), cache, lay, pack_tables(dec), torch.zeros(1, 1, dtype=torch.int32),
+        kv_prefill_attention(torch.zeros(1, 1, 64), cache, lay, pack_bases(dec), torch.zeros(1, 1, dtype=torch.int32),
                              torch.ones(1, dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), 1, 0.125)
 
 
@@ -115,7 +117,8 @@ def _paged(lens, H, D, B, e, g, kv=None):  # noqa: ANN001, ANN202
     return lay, dec, cache, ovf, bt, list(torch.split(k, lens)), list(torch.split(v, lens))
 
 
-@pytest.mark.parametrize("D,G,splits,kw", [(64, 4, None, {}), (128, 2, 3, {"pages": 2, "vec": 16}), (256, 2, 2, {})])
+@pytest.mark.parametrize("D,G,splits,kw", [(64, 4, None, {}), (128, 2, 3, {"pages": 2, "num_warps": 4}),
+                                           (256, 2, 2, {"pages": 1})])
 def test_attention_matches_fp32_reference(D: int, G: int, splits: int | None, kw: dict) -> None:
     g = torch.Generator().manual_seed(7 + D)
     H, B = 2, 16
@@ -127,14 +130,14 @@ def test_attention_matches_fp32_reference(D: int, G: int, splits: int | None, kw
     outs = []
     for num_splits in (splits, 1):
         out = torch.full_like(q, float("nan"))
-        kv_decode_attention(q, cache, lay, pack_tables(dec), bt, torch.tensor(lens, dtype=torch.int32), max(lens),
+        kv_decode_attention(q, cache, lay, pack_bases(dec), bt, torch.tensor(lens, dtype=torch.int32), max(lens),
                             scale, ovf, out=out, num_splits=num_splits, **kw)
         assert not out.isnan().any()
         err = float((out.float() - ref).norm() / ref.norm())
         assert err < 1e-2, err
         outs.append(out)
     again = torch.full_like(q, float("nan"))
-    kv_decode_attention(q, cache, lay, pack_tables(dec), bt, torch.tensor(lens, dtype=torch.int32), max(lens),
+    kv_decode_attention(q, cache, lay, pack_bases(dec), bt, torch.tensor(lens, dtype=torch.int32), max(lens),
                         scale, ovf, out=again, num_splits=splits, **kw)
     assert torch.equal(_bits(again), _bits(outs[0])), "same inputs, same bits"
 
@@ -154,7 +157,7 @@ def test_mixed_batch_attention_matches_fp32_reference(D: int, G: int, block_q: i
     outs = []
     for _ in range(2):
         out = torch.full_like(q, float("nan"))
-        kv_prefill_attention(q, cache, lay, pack_tables(dec), bt, torch.tensor(lens, dtype=torch.int32), start,
+        kv_prefill_attention(q, cache, lay, pack_bases(dec), bt, torch.tensor(lens, dtype=torch.int32), start,
                              max(q_lens), scale, ovf, out=out, block_q=block_q)
         assert not out.isnan().any()
         err = float((out.float() - ref).norm() / ref.norm())
@@ -163,7 +166,7 @@ def test_mixed_batch_attention_matches_fp32_reference(D: int, G: int, block_q: i
     assert torch.equal(_bits(outs[0]), _bits(outs[1])), "same inputs, same bits"
     # the decode token's row equals the decode kernel's answer for the same sequence, within bf16 rounding
     one = torch.full_like(q[-1:], float("nan"))
-    kv_decode_attention(q[-1:], cache, lay, pack_tables(dec), bt[3:], torch.tensor(lens[3:], dtype=torch.int32),
+    kv_decode_attention(q[-1:], cache, lay, pack_bases(dec), bt[3:], torch.tensor(lens[3:], dtype=torch.int32),
                         lens[3], scale, ovf, out=one, num_splits=1)
     torch.testing.assert_close(one.float(), outs[0][-1:].float(), rtol=1e-2, atol=1e-2)
 
@@ -180,7 +183,7 @@ def test_attention_on_recorded_kv() -> None:
     q = (torch.randn(2, 9, 64, generator=g)).to(torch.bfloat16)
     ref = reference_attention(q, ks, vs, 0.125)
     out = torch.full_like(q, float("nan"))
-    kv_decode_attention(q, cache, lay, pack_tables(dec), bt, torch.tensor(lens, dtype=torch.int32), 56, 0.125, ovf,
+    kv_decode_attention(q, cache, lay, pack_bases(dec), bt, torch.tensor(lens, dtype=torch.int32), 56, 0.125, ovf,
                         out=out, num_splits=2)
     err = float((out.float() - ref).norm() / ref.norm())
     assert err < 1e-2, err
