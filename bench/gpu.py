@@ -206,19 +206,18 @@ def prefill_section(pool, unified_attention, gen: torch.Generator, dev: str, smo
             def ours(out_t, kw, q=q, bt=bt, seq_lens=seq_lens, start=start, q_lens=q_lens):  # noqa: ANN001, ANN202
                 return lambda: kv_prefill_attention(q, cache, lay, tab, bt, seq_lens, start, max(q_lens), scale, ovf,
                                                     out=out_t, **kw)
-            if not smoke and sweep_cfg is None:  # tokens a program x warps, on the first case
-                sweep = {}
-                for bq in (4, 8, 16):
-                    for w in (4, 8):
-                        try:
-                            sweep[f"q{bq}w{w}"] = bench_fn(ours(torch.empty_like(q), {"block_q": bq, "num_warps": w}),
-                                                           True)
-                        except Exception as exc:  # noqa: BLE001
-                            sweep[f"q{bq}w{w}"] = repr(exc)[:120]
+            if not smoke and sweep_cfg is None:  # tokens a program x warps x pages a tile, on the first case
+                sweep, kws = {}, {}
+                for bq, w, pg in ((8, 4, 1), (16, 4, 1), (16, 8, 1), (16, 4, 2), (16, 8, 2), (32, 8, 1), (32, 8, 2)):
+                    tag = f"q{bq}w{w}p{pg}"
+                    kws[tag] = {"block_q": bq, "num_warps": w, "pages": pg}
+                    try:
+                        sweep[tag] = bench_fn(ours(torch.empty_like(q), kws[tag]), True)
+                    except Exception as exc:  # noqa: BLE001
+                        sweep[tag] = repr(exc)[:120]
                 res["sweep_ms"] = sweep
                 best = min((k for k in sweep if isinstance(sweep[k], float)), key=lambda k: sweep[k])
-                bq, w = (int(x) for x in best[1:].split("w"))
-                sweep_cfg = {"block_q": bq, "num_warps": w}
+                sweep_cfg = kws[best]
                 res["best"] = best
             kw = sweep_cfg or {}
             o1, o2 = torch.full_like(q, float("nan")), torch.full_like(q, float("nan"))

@@ -39,7 +39,7 @@ def _prefill_kernel(q_ptr, out_ptr, cache_w_ptr, base_ptr, ovf_ptr, arena_w_ptr,
                     G: tl.constexpr, BLOCK_Q: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, B: tl.constexpr,
                     K_SM: tl.constexpr, V_SM: tl.constexpr, K_CODE: tl.constexpr, V_CODE: tl.constexpr,
                     K_ESC: tl.constexpr, V_ESC: tl.constexpr, K_RES: tl.constexpr, V_RES: tl.constexpr,
-                    CHECK_OVF: tl.constexpr, DOT_F32: tl.constexpr, USE_ASM: tl.constexpr):
+                    CHECK_OVF: tl.constexpr, DOT_F32: tl.constexpr, USE_ASM: tl.constexpr, PAGES: tl.constexpr):
     seq = tl.program_id(0)
     h = tl.program_id(1)
     q0 = tl.program_id(2) * BLOCK_Q
@@ -61,18 +61,27 @@ def _prefill_kernel(q_ptr, out_ptr, cache_w_ptr, base_ptr, ovf_ptr, arena_w_ptr,
         m_i = tl.full([ROWS], -1.0e30, tl.float32)
         l_i = tl.zeros([ROWS], tl.float32)
         acc = tl.zeros([ROWS, D], tl.float32)
-        row = tl.arange(0, B)
+        T: tl.constexpr = PAGES * B
+        ROWS_B: tl.constexpr = B if PAGES > 1 else 0
+        row = tl.arange(0, T)
+        bt_row = block_table_ptr + seq.to(tl.int64) * bt_stride
         n_pages = tl.cdiv(tl.minimum(before + q0 + BLOCK_Q, seq_len), B)
-        for p in range(0, n_pages):
-            blk = tl.load(block_table_ptr + seq.to(tl.int64) * bt_stride + p).to(tl.int64)
+        for p in range(0, n_pages, PAGES):
+            if PAGES == 1:
+                blk = tl.load(bt_row + p).to(tl.int64)
+                kpos = p * B + row
+                valid = kpos < seq_len
+            else:  # PAGES pages a tile: a page pointer a row
+                pidx = p + row // B
+                blk = tl.load(bt_row + pidx, mask=pidx < n_pages, other=0).to(tl.int64)
+                kpos = pidx * B + row % B
+                valid = (pidx < n_pages) & (kpos < seq_len)
             page_w = cache_w_ptr + (blk * num_kv_heads + h) * page_words
-            kpos = p * B + row
-            valid = kpos < seq_len
             k_ovf, v_ovf = _overflow_offsets(ovf_ptr, blk, h, valid, num_kv_heads, CHECK_OVF)
-            kt = _decode_rows(page_w, valid, k_ovf, k_base, arena_w_ptr, arena_words, B, K_SM // 4, K_CODE // 4, D,
-                              0, K_ESC, K_RES, CHECK_OVF, USE_ASM)
-            vt = _decode_rows(page_w, valid, v_ovf, v_base, arena_w_ptr, arena_words, B, V_SM // 4, V_CODE // 4, D,
-                              0, V_ESC, V_RES, CHECK_OVF, USE_ASM)
+            kt = _decode_rows(page_w, valid, k_ovf, k_base, arena_w_ptr, arena_words, T, K_SM // 4, K_CODE // 4, D,
+                              ROWS_B, K_ESC, K_RES, CHECK_OVF, USE_ASM)
+            vt = _decode_rows(page_w, valid, v_ovf, v_base, arena_w_ptr, arena_words, T, V_SM // 4, V_CODE // 4, D,
+                              ROWS_B, V_ESC, V_RES, CHECK_OVF, USE_ASM)
             mask = valid[None, :] & (kpos[None, :] <= pos[:, None])
             m_i, l_i, acc = _softmax_step(q, kt, vt, mask, valid, m_i, l_i, acc, scale_log2, DOT_F32)
         o = acc / tl.maximum(l_i, 1e-30)[:, None]
@@ -83,14 +92,15 @@ def _prefill_kernel(q_ptr, out_ptr, cache_w_ptr, base_ptr, ovf_ptr, arena_w_ptr,
 def kv_prefill_attention(query: torch.Tensor, cache: torch.Tensor, layout: KVPageLayout, bases: torch.Tensor,
                          block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                          max_query_len: int, scale: float, overflow: OverflowStore | None = None,
-                         out: torch.Tensor | None = None, block_q: int | None = None, num_warps: int = 4
-                         ) -> torch.Tensor:
+                         out: torch.Tensor | None = None, block_q: int | None = None, num_warps: int = 8,
+                         pages: int = 1) -> torch.Tensor:
     """Causal attention of a varlen batch over its pages.
 
     query [total_q, Hq, D] bf16; query_start_loc int32 [S + 1] (sequence s's queries are rows
     query_start_loc[s]..[s + 1]); seq_lens int32 [S]: tokens in the pages per sequence, this step's
     included; `max_query_len` (host int) sizes the grid. cache, bases, block_table, overflow as for
-    `kv_decode_attention`. block_q: query tokens a program (default: 64 rows of query heads, at least 1).
+    `kv_decode_attention`. block_q: query tokens a program (default: 128 rows of query heads, at least 1);
+    pages: pages a tile. The defaults are the H200's best of bench/gpu.py's sweep (docs/gpu.md, run 30).
     Returns out [total_q, Hq, D] in query's dtype.
     """
     H, G = _check_query(query, cache, layout)
@@ -102,14 +112,15 @@ def kv_prefill_attention(query: torch.Tensor, cache: torch.Tensor, layout: KVPag
         out = torch.empty_like(query)
     if total == 0 or S == 0:
         return out
-    block_q = block_q or max(1, 64 // G)
+    block_q = block_q or max(1, 128 // G)
     rows = max(16, triton.next_power_of_2(block_q * G))
     ovf_ptr, arena_w, check_ovf = _overflow_args(overflow, cache)
     _prefill_kernel[(S, H, triton.cdiv(max(1, max_query_len), block_q))](
         query, out, cache.view(-1).view(torch.int32), bases, ovf_ptr, arena_w, arena_w.numel(), block_table,
         seq_lens, query_start_loc, scale * 1.4426950408889634, query.stride(0), query.stride(1), out.stride(0),
         out.stride(1), block_table.stride(0), layout.page_bytes // 4, H, G=G, BLOCK_Q=block_q, ROWS=rows, D=D,
-        B=layout.block_size, CHECK_OVF=check_ovf, DOT_F32=_INTERPRET, USE_ASM=not _INTERPRET, num_warps=num_warps,
+        B=layout.block_size, CHECK_OVF=check_ovf, DOT_F32=_INTERPRET, USE_ASM=not _INTERPRET, PAGES=pages,
+        num_warps=num_warps,
         **_offsets(layout))
     return out
 

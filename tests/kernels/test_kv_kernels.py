@@ -142,8 +142,8 @@ def test_attention_matches_fp32_reference(D: int, G: int, splits: int | None, kw
     assert torch.equal(_bits(again), _bits(outs[0])), "same inputs, same bits"
 
 
-@pytest.mark.parametrize("D,G,block_q", [(64, 4, None), (128, 2, 3), (256, 1, 2)])
-def test_mixed_batch_attention_matches_fp32_reference(D: int, G: int, block_q: int | None) -> None:
+@pytest.mark.parametrize("D,G,block_q,pages", [(64, 4, None, 1), (128, 2, 3, 2), (256, 1, 2, 1), (64, 2, 4, 4)])
+def test_mixed_batch_attention_matches_fp32_reference(D: int, G: int, block_q: int | None, pages: int) -> None:
     """A prefill run, a chunk after full pages, a chunk mid-page and a decode token in one varlen batch."""
     g = torch.Generator().manual_seed(11 + D)
     H, B = 2, 16
@@ -158,7 +158,7 @@ def test_mixed_batch_attention_matches_fp32_reference(D: int, G: int, block_q: i
     for _ in range(2):
         out = torch.full_like(q, float("nan"))
         kv_prefill_attention(q, cache, lay, pack_bases(dec), bt, torch.tensor(lens, dtype=torch.int32), start,
-                             max(q_lens), scale, ovf, out=out, block_q=block_q)
+                             max(q_lens), scale, ovf, out=out, block_q=block_q, pages=pages)
         assert not out.isnan().any()
         err = float((out.float() - ref).norm() / ref.norm())
         assert err < 1e-2, err
