@@ -47,6 +47,7 @@ from kernels.kv_decode_attention import (  # noqa: E402
     num_splits_for,
     pack_bases,
 )
+from kernels.kv_layer import TritonKVLayer  # noqa: E402
 from kernels.kv_page_write import DeviceOverflowStore, PageWriter  # noqa: E402
 from kernels.kv_prefill_attention import kv_prefill_attention, reference_prefill_attention  # noqa: E402
 
@@ -173,13 +174,15 @@ PREFILL_CASES = {  # name: (tokens in the pages per sequence, this step's querie
     "chunk 8 x 512 after 7680": ([8192] * 8, [512] * 8),
     "mixed 16 decodes at 4k + prefill 1024": ([4096] * 16 + [1024], [1] * 16 + [1024]),
 }
-SMOKE_PREFILL_CASES = {"mixed": ([40, 37, 33], [40, 5, 1])}
+SMOKE_PREFILL_CASES = {"mixed": ([33, 40, 37], [1, 40, 5])}  # a decode first: the routed path too
 
 
 def prefill_section(pool, unified_attention, gen: torch.Generator, dev: str, smoke: bool) -> dict[str, object]:
     """Prefill / mixed-batch attention on compressed pages against fp32 (poisoned, twice) and, on the GPU, timed
     against vLLM's unified attention on bf16 pages with the same varlen batch."""
-    cache, lay, tab, ovf, k_pool, v_pool = pool
+    cache, lay, tab, ovf, k_pool, v_pool, dec_dev = pool
+    layer = TritonKVLayer(lay, dec_dev, cache)  # the backend's routing: decodes first to the decode kernel
+    layer.overflow = ovf
     nblocks = cache.shape[0]
     scale = D ** -0.5
     res: dict[str, object] = {}
@@ -244,6 +247,18 @@ def prefill_section(pool, unified_attention, gen: torch.Generator, dev: str, smo
                     row["vllm_rel_err"] = float((ov.float() - ref).norm() / ref.norm())
                     row["vllm_ms"] = bench_fn(vllm, True)
                     row["speedup_vs_vllm"] = row["vllm_ms"] / row["ours_ms"]
+            nd = next((i for i, n in enumerate(q_lens) if n != 1), len(q_lens))  # leading decode tokens
+            if 0 < nd < len(q_lens):  # as the backend runs it: decodes to the decode kernel, the rest to prefill
+                def routed(out_t, q=q, bt=bt, seq_lens=seq_lens, start=start, q_lens=q_lens, lens=lens, nd=nd):  # noqa: ANN001, ANN202
+                    return lambda: layer.attend(q, out_t, bt, seq_lens, start, max(q_lens), max(lens), scale, nd)
+                o3 = torch.full_like(q, float("nan"))
+                routed(o3)()
+                row["routed_rel_err"] = float((o3.float() - ref).norm() / ref.norm())
+                row["routed_nan"] = bool(o3.isnan().any())
+                if not smoke:
+                    row["routed_ms"] = bench_fn(routed(o3), True)
+                    if "vllm_ms" in row:
+                        row["routed_speedup_vs_vllm"] = row["vllm_ms"] / row["routed_ms"]
         except Exception as exc:  # noqa: BLE001
             row["error"] = repr(exc)[:300]
             traceback.print_exc()
@@ -461,7 +476,8 @@ def main() -> None:  # noqa: C901, PLR0915
         acc_rows.append(row)
         print("accuracy", row)
     log("accuracy", acc_rows, out)
-    log("prefill", prefill_section((cache, lay, tab, ovf, k_pool, v_pool), unified_attention, gen, dev, smoke), out)
+    log("prefill", prefill_section((cache, lay, tab, ovf, k_pool, v_pool, dec_dev), unified_attention, gen, dev, smoke),
+        out)
     if args.only_prefill:
         return
     if smoke:

@@ -3,9 +3,10 @@
 `TritonKVLayer` owns what the kernels need next to vLLM's page tensor: the layer's decode table (windows) and
 its packed tops on the pages' device, a `PageWriter` and a device overflow store. It knows nothing of vLLM: the
 backend (`glyd_engine.vllm_plugin.triton_backend`) hands it the step's tensors, and the tests drive it with
-hand-made batches (under TRITON_INTERPRET=1 on the CPU). A batch whose queries are all single decode tokens
-takes the decode kernel (split over long contexts); any other batch (prefill runs, chunks, mixed) the
-varlen prefill kernel. Both read the pages the step has just written.
+hand-made batches (under TRITON_INTERPRET=1 on the CPU). Single decode tokens take the decode kernel (split
+over long contexts), everything else (prefill runs, chunks) the varlen prefill kernel; a mixed batch whose
+decodes come first (vLLM orders them so when a builder asks, and says how many) is split between the two.
+Both read the pages the step has just written.
 """
 
 from __future__ import annotations
@@ -39,15 +40,25 @@ class TritonKVLayer:
         self.writer.write(self.pages, self.overflow, key, value, slots)
 
     def attend(self, query: torch.Tensor, out: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-               query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int, scale: float) -> torch.Tensor:
-        """Causal attention of the step's queries [T, Hq, D] over the pages (their K/V written first)."""
+               query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int, scale: float,
+               num_decodes: int | None = None) -> torch.Tensor:
+        """Causal attention of the step's queries [T, Hq, D] over the pages (their K/V written first).
+
+        num_decodes: how many leading sequences of the batch have one query token each (host int), if known.
+        """
         num_seqs = seq_lens.shape[0]
         overflow = self._overflow()
         if max_query_len == 1 and query.shape[0] == num_seqs:
-            return kv_decode_attention(query, self.pages, self.layout, self.bases, block_table, seq_lens,
-                                       max_seq_len, scale, overflow=overflow, out=out)
-        return kv_prefill_attention(query, self.pages, self.layout, self.bases, block_table, seq_lens,
-                                    query_start_loc, max_query_len, scale, overflow=overflow, out=out)
+            num_decodes = num_seqs
+        nd = num_decodes or 0
+        if nd:
+            kv_decode_attention(query[:nd], self.pages, self.layout, self.bases, block_table[:nd], seq_lens[:nd],
+                                max_seq_len, scale, overflow=overflow, out=out[:nd])
+        if nd < num_seqs:  # the rest, its query offsets rebased to its first token (a device op, no sync)
+            start = query_start_loc[nd:] - query_start_loc[nd] if nd else query_start_loc
+            kv_prefill_attention(query[nd:], self.pages, self.layout, self.bases, block_table[nd:], seq_lens[nd:],
+                                 start, max_query_len, scale, overflow=overflow, out=out[nd:])
+        return out
 
     def _overflow(self) -> DeviceOverflowStore | None:
         """The store once any page has overflowed (a host counter: no sync); None lets the kernels skip it."""

@@ -1,12 +1,12 @@
 """GLYD on CUDA: vLLM's paged KV cache in the lossless page code, written and read by the Triton kernels.
 
-The pages are the CPU backend's (same spec, same bytes; `backend_base`). Write: `do_kv_cache_update` runs
-the Triton page writer (`kernels.kv_page_write`). Read: `forward` runs the decode kernel for a batch of
-single decode tokens and the varlen prefill kernel for any other batch, both decoding pages in registers
-(`kernels.kv_layer.TritonKVLayer`). The writer reads one overflow counter a step (a host sync), so the
-builder declares no CUDA-graph support: vLLM then runs attention eagerly between its piecewise graphs.
-`GLYD_KV_KERNELS=triton` with TRITON_INTERPRET=1 selects this backend on the CPU build too, which is how the
-tests run it inside the real engine.
+The pages are the CPU backend's (same spec, same bytes; `backend_base`). Write: `do_kv_cache_update` runs the Triton
+page writer (`kernels.kv_page_write`). Read: `forward` runs the decode kernel for the batch's single decode tokens
+(the builder has vLLM put them first) and the varlen prefill kernel for the rest, both decoding pages in registers
+(`kernels.kv_layer.TritonKVLayer`). The writer reads one overflow counter a step (a host sync), so the builder
+declares no CUDA-graph support: vLLM then runs attention eagerly between its piecewise graphs.
+`GLYD_KV_KERNELS=triton` with TRITON_INTERPRET=1 selects this backend on the CPU build too, which is how the tests
+run it inside the real engine.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ class GlydTritonMetadata:
     seq_lens: torch.Tensor  # int32 [S]
     block_table: torch.Tensor  # int32 [S, max_blocks]
     slot_mapping: torch.Tensor
+    num_decodes: int  # leading sequences with one query token each (vLLM orders decodes first for us)
 
 
 class GlydTritonMetadataBuilder(AttentionMetadataBuilder[GlydTritonMetadata]):
@@ -45,12 +46,18 @@ class GlydTritonMetadataBuilder(AttentionMetadataBuilder[GlydTritonMetadata]):
 
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self._init_reorder_batch_threshold(1)  # decodes first: they take the decode kernel
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> GlydTritonMetadata:
+        from vllm.v1.attention.backends.utils import split_decodes_and_prefills
+
         m = common_attn_metadata
+        num_decodes, _, decode_tokens, _ = split_decodes_and_prefills(m, decode_threshold=1)
+        if decode_tokens != num_decodes:  # a decode with no query token: let the prefill kernel take them all
+            num_decodes = 0
         return GlydTritonMetadata(m.num_actual_tokens, m.max_query_len, m.query_start_loc, m.max_seq_len,
-                                  m.seq_lens, m.block_table_tensor, m.slot_mapping)
+                                  m.seq_lens, m.block_table_tensor, m.slot_mapping, num_decodes)
 
 
 class GlydTritonAttentionBackend(GlydBackendBase, AttentionBackend):
@@ -143,7 +150,9 @@ class GlydTritonAttentionImpl(AttentionImpl):
         num_reqs = md.seq_lens.shape[0]
         out = output[:n].view(n, self.num_heads, self.head_size)
         kv.attend(query[:n].view(n, self.num_heads, self.head_size), out, md.block_table[:num_reqs],
-                  md.seq_lens, md.query_start_loc, md.max_query_len, md.max_seq_len, self.scale)
+                  md.seq_lens, md.query_start_loc, md.max_query_len, md.max_seq_len, self.scale, md.num_decodes)
+        if 0 < md.num_decodes < num_reqs:
+            state.STATS.split_batches += 1
         if st.shadow is not None and not state.COMPARE["paused"]:
             self._check(st, kv, md)
         return output

@@ -1,11 +1,12 @@
 """The GPU path of the KV backend (`kernels.kv_layer.TritonKVLayer`) driven step by step as vLLM drives it.
 
-Under TRITON_INTERPRET=1 on the CPU: a mixed prefill step, a decode step, a step mixing a prefill chunk with
-a decode token, and a decode step again, over blocks handed out out of order. After every step the pages,
-read back through the attention kernels' decoder, hold every value written bit for bit (the overflow path
-included), and the step's attention output (poisoned with NaN first) is within bf16 tolerance of fp32.
-With GLYD_TEST_DEVICE=cuda and TRITON_INTERPRET=0 the same test runs natively on a GPU (bench/gpu.py's
-device runs do), at the small shape and at Qwen3-8B's head shape, so the inline-asm paths run too.
+Under TRITON_INTERPRET=1 on the CPU: a mixed prefill step, a decode step, a step mixing a prefill chunk with a
+decode token, and a decode step again, over blocks handed out out of order; once with the number of leading decodes
+given (the mixed step split between the two kernels, as the backend runs it), once without. After every step the
+pages, read back through the attention kernels' decoder, hold every value written bit for bit (the overflow path
+included), and the step's attention output (poisoned with NaN first) is within bf16 tolerance of fp32. With
+GLYD_TEST_DEVICE=cuda and TRITON_INTERPRET=0 the same test runs natively on a GPU (bench/gpu.py's device runs do),
+at the small shape and at Qwen3-8B's head shape, so the inline-asm paths run too.
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ from kernels.kv_layer import TritonKVLayer  # noqa: E402
 from kernels.kv_prefill_attention import reference_prefill_attention  # noqa: E402
 
 DEV = os.environ.get("GLYD_TEST_DEVICE", "cpu")
-SHAPES = [(2, 2, 64)] + ([(8, 4, 128)] if DEV != "cpu" else [])  # (KV heads, query heads a KV head, D)
+# (KV heads, query heads a KV head, D, whether the caller says how many decodes lead the batch)
+SHAPES = [(2, 2, 64, True), (2, 2, 64, False)] + ([(8, 4, 128, True)] if DEV != "cpu" else [])
 
 
-@pytest.mark.parametrize("H,G,D", SHAPES)
-def test_layer_steps_like_vllm_and_reads_back_every_value(H: int, G: int, D: int) -> None:
+@pytest.mark.parametrize("H,G,D,split", SHAPES)
+def test_layer_steps_like_vllm_and_reads_back_every_value(H: int, G: int, D: int, split: bool) -> None:
     g = torch.Generator().manual_seed(5)
     B, nb = 16, 9
     lay = layout(D, B, 1, 1)  # a small reserve: pages overflow
@@ -61,7 +63,9 @@ def test_layer_steps_like_vllm_and_reads_back_every_value(H: int, G: int, D: int
         out = torch.full_like(query, float("nan"))
         qsl = torch.tensor(starts, dtype=torch.int32, device=DEV)
         seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
-        layer.attend(query, out, block_table, seq_lens, qsl, max(n0, n1), max(lens), scale)
+        decodes = (1 if n0 == 1 else 0) + (1 if n0 == n1 == 1 else 0)  # leading one-token sequences
+        layer.attend(query, out, block_table, seq_lens, qsl, max(n0, n1), max(lens), scale,
+                     decodes if split else None)
         keys = [torch.cat([k for k, _ in w]) for w in written]
         values = [torch.cat([v for _, v in w]) for w in written]
         ref = reference_prefill_attention(query, qsl, keys, values, scale)
