@@ -311,6 +311,7 @@ def main() -> None:  # noqa: C901, PLR0915
     ap.add_argument("--no-model", action="store_true", help="skip the throughput model")
     ap.add_argument("--only-prefill", action="store_true", help="stop after the prefill / mixed-batch section")
     ap.add_argument("--no-writes", action="store_true", help="skip the page-write sweep")
+    ap.add_argument("--no-prefill", action="store_true", help="skip the prefill / mixed-batch section")
     args = ap.parse_args()
     out = Path(args.out) if args.out else None
     if out:
@@ -476,8 +477,9 @@ def main() -> None:  # noqa: C901, PLR0915
         acc_rows.append(row)
         print("accuracy", row)
     log("accuracy", acc_rows, out)
-    log("prefill", prefill_section((cache, lay, tab, ovf, k_pool, v_pool, dec_dev), unified_attention, gen, dev, smoke),
-        out)
+    if not args.no_prefill:
+        log("prefill", prefill_section((cache, lay, tab, ovf, k_pool, v_pool, dec_dev), unified_attention, gen, dev,
+                                       smoke), out)
     if args.only_prefill:
         return
     if smoke:
@@ -491,6 +493,7 @@ def main() -> None:  # noqa: C901, PLR0915
 
     def cfg_name(c: tuple) -> str:  # noqa: ANN001
         return "p{}w{}s{}f{}".format(*c[:3], int(c[3])) + ("b" if c[4] else "")
+
     for S2, L2 in ((8, 1024), (2, 32768), (64, 8192)):  # each config against fp32 too, poisoned, twice
         bt2, lens2, q2 = make_case(S2, L2, 0)
         ref = ref_fp32(q2, bt2, L2)
