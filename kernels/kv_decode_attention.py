@@ -124,9 +124,10 @@ def _overflow_bytes(x, r, f4, has, arena_w, arena_words, ovf_off, RES: tl.conste
     k = _popc(f4, USE_ASM)  # escapes in the word
     a2 = ovf_off + r - RES
     w2 = a2 >> 2
-    past = has & (r + k > RES) & (ovf_off >= 0) & (w2 + 1 < arena_words)
-    lo2 = tl.load(arena_w + w2, mask=past & (r >= RES), other=0)  # a word wholly before the run: unused
-    hi2 = tl.load(arena_w + w2 + 1, mask=past & ((a2 & 3) + k > 4), other=0)  # only bytes the word needs
+    past = has & (r + k > RES) & (ovf_off >= 0)
+    # each word bounded by itself: a run may end at the arena's last word (a word wholly before the run is unused)
+    lo2 = tl.load(arena_w + w2, mask=past & (r >= RES) & (w2 < arena_words), other=0)
+    hi2 = tl.load(arena_w + w2 + 1, mask=past & ((a2 & 3) + k > 4) & (w2 + 1 < arena_words), other=0)
     x2 = _funnel(lo2, hi2, (a2 & 3) * 8, USE_ASM)
     n_in = tl.maximum(RES - r, 0)  # leading bytes from the page
     m2 = tl.where(n_in >= 4, 0, (n_in * 0 - 1) << (tl.minimum(n_in, 3) * 8))

@@ -44,7 +44,8 @@ class TritonKVLayer:
                num_decodes: int | None = None) -> torch.Tensor:
         """Causal attention of the step's queries [T, Hq, D] over the pages (their K/V written first).
 
-        num_decodes: how many leading sequences of the batch have one query token each (host int), if known.
+        num_decodes: how many leading sequences of the batch have exactly one query token each (host int), if
+        known; their queries are then the first num_decodes rows.
         """
         num_seqs = seq_lens.shape[0]
         overflow = self._overflow()

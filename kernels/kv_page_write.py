@@ -21,7 +21,7 @@ device): `overflow_values` counts them. With `check_overflow=False` the call nev
 graphs): the caller must then read `stats` itself and call `finish_overflow`.
 
 The torch reference is `glyd_engine.format.kv_page.KVPageCodec.write`; pages written here are byte for
-byte the reference's (tests/kernels/test_kv_page_write.py).
+byte the reference's (tests/kernels/test_kv_kernels.py).
 """
 
 from __future__ import annotations
@@ -210,8 +210,9 @@ class PageWriter:
                  num_warps: int = 4, escape_tokens_per_program: int = 4, escape_num_warps: int = 1) -> None:
         if layout.head_size & (layout.head_size - 1) or layout.head_size < 32:
             raise ValueError(f"the Triton page writer needs a power-of-two head size >= 32, not {layout.head_size}")
-        if layout.block_size & (layout.block_size - 1):
-            raise ValueError(f"the Triton page writer needs a power-of-two block size, not {layout.block_size}")
+        if layout.block_size & (layout.block_size - 1) or layout.block_size < 4:
+            raise ValueError(f"the Triton page writer needs a power-of-two block size >= 4 (pages of whole 32-bit "
+                             f"words), not {layout.block_size}")
         for name, n in (("tokens_per_program", tokens_per_program), ("num_warps", num_warps),
                         ("escape_tokens_per_program", escape_tokens_per_program),
                         ("escape_num_warps", escape_num_warps)):

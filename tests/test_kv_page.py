@@ -188,3 +188,5 @@ def test_window_tables_are_what_the_codec_takes():
     counts[[0, 3, 130, 131, 136]] = torch.tensor([50, 50, 10, 10, 9])
     # no window holds exponent 0 (tops >= 7); those holding 3 (50) beat 130..136 (29); ties go to the highest top
     assert kv_page.best_windows(counts).tolist() == [9, 8, 7, 6, 5, 4, 3]
+    assert kv_page.best_windows(torch.zeros(256, dtype=torch.int64)).tolist() == list(range(126, 119, -1))
+    assert kv_page.OverflowStore(1, 1, initial_bytes=10).arena.numel() == 16  # whole runs: 32-bit words on a GPU

@@ -31,6 +31,7 @@ CODE_BITS = 3
 ESCAPE = (1 << CODE_BITS) - 1  # code 7
 TABLE_SIZE = ESCAPE  # exponents a channel's table holds
 MIN_WINDOW_TOP = ESCAPE  # base - code never borrows, for any code 0..7: 4 codes subtract as one 32-bit word
+UNSEEN_TOP = 126  # the window of a channel no calibration value reached: exponents 120..126 (|x| near 1/64..1)
 WORD_CHANNELS = 32  # channels whose code bits share a 32-bit plane word
 
 
@@ -74,8 +75,9 @@ def best_windows(counts: torch.Tensor) -> torch.Tensor:
     tops = torch.arange(MIN_WINDOW_TOP, 256, device=counts.device)
     held = c[..., tops + 1] - c[..., tops + 1 - TABLE_SIZE]
     # ties go to the highest top: exponents above a calibration's range are likelier than below it
-    best = (held.shape[-1] - 1) - torch.argmax(held.flip(-1), dim=-1)
-    return window_tables((tops[best]).to(torch.uint8))
+    best = tops[(held.shape[-1] - 1) - torch.argmax(held.flip(-1), dim=-1)]
+    best = torch.where(c[..., -1] > 0, best, UNSEEN_TOP)  # a channel with no counts: values near 1.0
+    return window_tables(best.to(torch.uint8))
 
 
 def default_escapes(head_size: int) -> int:
@@ -192,6 +194,8 @@ class OverflowStore:
 
     def __post_init__(self) -> None:
         self.ptr = torch.full((self.num_blocks, self.num_heads, 2), -1, dtype=torch.int32)
+        # whole runs, so the arena stays a multiple of 16 bytes (the GPU kernels read it as 32-bit words)
+        self.initial_bytes = -(-self.initial_bytes // OVERFLOW_MIN_RUN) * OVERFLOW_MIN_RUN
         self.arena = torch.zeros(self.initial_bytes, dtype=torch.uint8)
         self.free = {}
         self._top = 0

@@ -19,6 +19,7 @@ from glyd_engine.errors import CorruptFileError
 from glyd_engine.format import FORMAT_VERSION
 from glyd_engine.format.kv_page import (
     TABLE_SIZE,
+    UNSEEN_TOP,
     KVPageCodec,
     KVPageLayout,
     default_escapes,
@@ -73,7 +74,7 @@ class KVTables:
     def uniform(cls, num_layers: int, num_kv_heads: int, head_size: int, fingerprint: str = "uniform"
                 ) -> KVTables:
         """Tables with no calibration (exponents 120..126 everywhere): lossless, just less compact."""
-        dec = window_tables(torch.full((num_layers, 2, num_kv_heads, head_size), 126, dtype=torch.uint8))
+        dec = window_tables(torch.full((num_layers, 2, num_kv_heads, head_size), UNSEEN_TOP, dtype=torch.uint8))
         e = default_escapes(head_size)
         return cls(dec, torch.zeros(num_layers, 2, num_kv_heads, head_size), e, e, fingerprint, 0, 0)
 

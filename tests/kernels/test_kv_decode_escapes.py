@@ -77,3 +77,23 @@ def test_escape_heavy_pages_decode_exactly_and_attend(D: int, G: int, reserve: i
                             num_splits=splits, pages=pages)
         err = float((out.float().cpu() - ref).norm() / ref.norm())
         assert not out.isnan().any() and err < 1e-2, err
+
+
+def test_a_run_ending_at_the_arena_end_decodes() -> None:
+    """The arena's last word holds escapes too: runs are handed out up to the arena's end before it grows."""
+    H, D, B = 1, 64, 16
+    lay = layout(D, B, 0, 0)  # no reserve: every escape goes to the block's overflow run
+    dec = window_tables(torch.full((2, H, D), 126, dtype=torch.uint8))
+    g = torch.Generator().manual_seed(3)
+    k = _windowed(B, H, D, torch.full((H, D), 126, dtype=torch.uint8), g, 0.0)
+    v = _windowed(B, H, D, torch.full((H, D), 126, dtype=torch.uint8), g, 0.0)
+    bits = k.view(torch.int16).view(-1)
+    spots = torch.randperm(B * D, generator=g)[:16]
+    bits[spots] = (bits[spots] & ~0x7F80) | (50 << 7)  # 16 K escapes: a 16-byte run, the whole arena
+    ovf = DeviceOverflowStore(1, H, initial_bytes=16, device=DEV)
+    cache = torch.zeros(1, H, lay.page_bytes, dtype=torch.uint8, device=DEV)
+    PageWriter(lay, dec.to(DEV)).write(cache, ovf, k.to(DEV), v.to(DEV), torch.arange(B, device=DEV))
+    assert ovf.arena.numel() == 16 and ovf.values_written == 16 and ovf.grows == 0
+    dk, dv = decode_pages(cache, lay, pack_bases(dec).to(DEV), torch.zeros(1, dtype=torch.int32, device=DEV), ovf)
+    assert torch.equal(dk[0].transpose(0, 1).cpu().view(torch.int16), k.view(torch.int16))
+    assert torch.equal(dv[0].transpose(0, 1).cpu().view(torch.int16), v.view(torch.int16))

@@ -89,6 +89,8 @@ def test_kernels_refuse_what_they_cannot_do() -> None:
         PageWriter(lay, dec, tokens_per_program=3)
     with pytest.raises(ValueError, match="windows"):  # a version-1 (top-7) table
         PageWriter(lay, dec.flip(-1))
+    with pytest.raises(ValueError, match="block size >= 4"):  # pages of whole 32-bit words
+        PageWriter(layout(64, 2), dec)
     cache = torch.zeros(1, 1, lay.page_bytes, dtype=torch.uint8)
     with pytest.raises(ValueError, match="bf16"):
         kv_prefill_attention(torch.zeros(1, 1, 64), cache, lay, pack_bases(dec), torch.zeros(1, 1, dtype=torch.int32),
