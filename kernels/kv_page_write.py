@@ -41,6 +41,7 @@ from glyd_engine.format.kv_page import (
     encode_table,
     window_bases,
 )
+from kernels.kv_decode_attention import _offsets
 
 
 @dataclass
@@ -195,12 +196,6 @@ def _write_escapes_kernel(key_ptr, val_ptr, slots_ptr, cache_ptr, cache_w_ptr, c
         tl.store(first_rank_ptr + (t * num_kv_heads + h) * 2 + kv, base, mask=ok)
         if n_over > 0:
             tl.atomic_add(stats_ptr + kv, n_over)
-
-
-def _offsets(layout: KVPageLayout) -> dict[str, int]:
-    return {"K_SM": layout.sm_offset(0), "V_SM": layout.sm_offset(1), "K_CODE": layout.code_offset(0),
-            "V_CODE": layout.code_offset(1), "K_ESC": layout.esc_offset(0), "V_ESC": layout.esc_offset(1),
-            "K_RES": layout.reserve(0), "V_RES": layout.reserve(1)}
 
 
 class PageWriter:
