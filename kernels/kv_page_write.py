@@ -26,6 +26,7 @@ byte the reference's (tests/kernels/test_kv_kernels.py).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -41,7 +42,9 @@ from glyd_engine.format.kv_page import (
     encode_table,
     window_bases,
 )
-from kernels.kv_decode_attention import _offsets
+from kernels.kv_decode_attention import _offsets, _popc
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @dataclass
@@ -143,7 +146,7 @@ def _write_escapes_kernel(key_ptr, val_ptr, slots_ptr, cache_ptr, cache_w_ptr, c
                           stride_x0, stride_x1, page_bytes, num_kv_heads,
                           D: tl.constexpr, B: tl.constexpr, TB: tl.constexpr, K_CODE: tl.constexpr,
                           V_CODE: tl.constexpr, K_ESC: tl.constexpr, V_ESC: tl.constexpr, K_RES: tl.constexpr,
-                          V_RES: tl.constexpr):
+                          V_RES: tl.constexpr, USE_ASM: tl.constexpr):
     h = tl.program_id(1)
     t, ok, slot, off, page = _tokens(slots_ptr, cache_ptr, T, h, page_bytes, num_kv_heads, B, TB)
     j = tl.arange(0, D // 8)
@@ -188,9 +191,16 @@ def _write_escapes_kernel(key_ptr, val_ptr, slots_ptr, cache_ptr, cache_w_ptr, c
         fw = (tl.load(row, mask=ok[:, None], other=0) & tl.load(row + W, mask=ok[:, None], other=0)
               & tl.load(row + 2 * W, mask=ok[:, None], other=0))
         flags = tl.reshape((fw[:, :, None] >> sh[None, None, :]) & 1, (TB, D))
-        e = (_row_bits((key_ptr if kv == 0 else val_ptr) + h * stride_x1, t, ok, stride_x0, D) >> 7) & 0xFF
-        rank = base[:, None] + tl.cumsum(flags, axis=1) - flags  # (byte popcounts instead: no faster, run 15)
         is_esc = flags != 0
+        # in-row rank by popcounts, not a scan over D flags (1.4x the pass's speed, run 34): the row's escapes in
+        # earlier groups plus the group's flags of the channels below (bits 8b' + j' with j' < j, or j' = j, b' < b)
+        gc = _popc(fw, USE_ASM)
+        i = tl.arange(0, 32)
+        below = (0x01010101 * ((1 << (i // 4)) - 1)) | ((0x01010101 << (i // 4)) & ((1 << sh) - 1))
+        in_row = (tl.cumsum(gc, axis=1) - gc)[:, :, None] + _popc(fw[:, :, None] & below[None, None, :], USE_ASM)
+        rank = base[:, None] + tl.reshape(in_row, (TB, D))
+        # whole rows, wide loads (loading only the escapes' values was slower, run 34)
+        e = (_row_bits((key_ptr if kv == 0 else val_ptr) + h * stride_x1, t, ok, stride_x0, D) >> 7) & 0xFF
         tl.store(page[:, None] + ESC + rank, e.to(tl.uint8), mask=is_esc & (rank < RES))
         n_over = tl.sum(tl.sum((is_esc & (rank >= RES)).to(tl.int32), axis=1), axis=0)
         tl.store(first_rank_ptr + (t * num_kv_heads + h) * 2 + kv, base, mask=ok)
@@ -252,7 +262,7 @@ class PageWriter:
                                     key.stride(0), key.stride(1), lay.page_bytes, H, D=D, B=lay.block_size, TB=etb,
                                     K_CODE=offs["K_CODE"], V_CODE=offs["V_CODE"], K_ESC=offs["K_ESC"],
                                     V_ESC=offs["V_ESC"], K_RES=offs["K_RES"], V_RES=offs["V_RES"],
-                                    num_warps=self.escape_num_warps)
+                                    USE_ASM=not _INTERPRET, num_warps=self.escape_num_warps)
         self.counters.calls += 1
         self.counters.values += 2 * key.numel()
         return stats, first

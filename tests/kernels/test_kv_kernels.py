@@ -41,7 +41,7 @@ def _sections(lay):  # noqa: ANN001, ANN202
         (lay.code_offset(kv), lay.code_offset(kv) + lay.block_size * lay.code_bytes) for kv in (0, 1)]
 
 
-@pytest.mark.parametrize("D,e,tb,etb", [(64, 1, 16, 4), (128, 3, 4, 1), (64, 2, 1, 8)])
+@pytest.mark.parametrize("D,e,tb,etb", [(64, 1, 16, 4), (128, 3, 4, 1), (64, 2, 1, 8), (256, 2, 8, 2)])
 def test_write_matches_reference_and_decodes_exactly(D: int, e: int, tb: int, etb: int) -> None:
     g = torch.Generator().manual_seed(D)
     H, B, nb = 2, 16, 5
