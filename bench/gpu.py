@@ -174,6 +174,7 @@ PREFILL_CASES = {  # name: (tokens in the pages per sequence, this step's querie
     "chunk 8 x 512 after 7680": ([8192] * 8, [512] * 8),
     "mixed 16 decodes at 4k + prefill 1024": ([4096] * 16 + [1024], [1] * 16 + [1024]),
 }
+SWEEP_PREFILL_CASES = ("prefill 4 x 2048", "chunk 8 x 512 after 7680")  # the launch sweep runs on these
 SMOKE_PREFILL_CASES = {"mixed": ([33, 40, 37], [1, 40, 5])}  # a decode first: the routed path too
 
 
@@ -186,7 +187,6 @@ def prefill_section(pool, unified_attention, gen: torch.Generator, dev: str, smo
     nblocks = cache.shape[0]
     scale = D ** -0.5
     res: dict[str, object] = {}
-    sweep_cfg = None
     for name, (lens, q_lens) in (SMOKE_PREFILL_CASES if smoke else PREFILL_CASES).items():
         row: dict[str, object] = {}
         try:
@@ -205,32 +205,36 @@ def prefill_section(pool, unified_attention, gen: torch.Generator, dev: str, smo
             ks = [k_pool[bt[i, :nb].long()].reshape(-1, H, D)[:n] for i, (nb, n) in spans]
             vs = [v_pool[bt[i, :nb].long()].reshape(-1, H, D)[:n] for i, (nb, n) in spans]
             ref = reference_prefill_attention(q, start.cpu(), ks, vs, scale)
+            # the step's own K/V, row for row with the queries, as the backend passes them (the pages hold them too)
+            own = {"key": torch.cat([k[n - m:] for k, n, m in zip(ks, lens, q_lens, strict=True)]),
+                   "value": torch.cat([v[n - m:] for v, n, m in zip(vs, lens, q_lens, strict=True)])}
 
-            def ours(out_t, kw, q=q, bt=bt, seq_lens=seq_lens, start=start, q_lens=q_lens):  # noqa: ANN001, ANN202
+            def ours(out_t, kw, q=q, bt=bt, seq_lens=seq_lens, start=start, q_lens=q_lens, own=own):  # noqa: ANN001, ANN202
                 return lambda: kv_prefill_attention(q, cache, lay, tab, bt, seq_lens, start, max(q_lens), scale, ovf,
-                                                    out=out_t, **kw)
-            if not smoke and sweep_cfg is None:  # tokens a program x warps x pages a tile, on the first case
-                sweep, kws = {}, {}
-                for bq, w, pg in ((8, 4, 1), (16, 4, 1), (16, 8, 1), (16, 4, 2), (16, 8, 2), (32, 8, 1), (32, 8, 2)):
-                    tag = f"q{bq}w{w}p{pg}"
-                    kws[tag] = {"block_q": bq, "num_warps": w, "pages": pg}
+                                                    out=out_t, **{**own, **kw})
+            if not smoke and name in SWEEP_PREFILL_CASES:  # tokens a program x warps x pages x fresh keys a tile
+                sweep = {}
+                for bq, w, pg, bf in ((32, 8, 1, 32), (64, 8, 1, 32), (64, 8, 1, 64), (64, 16, 1, 32),
+                                      (128, 16, 1, 32), (64, 8, 2, 32)):
+                    kw_s = {"block_q": bq, "num_warps": w, "pages": pg, "block_f": bf}
                     try:
-                        sweep[tag] = bench_fn(ours(torch.empty_like(q), kws[tag]), True)
+                        sweep[f"q{bq}w{w}p{pg}f{bf}"] = bench_fn(ours(torch.empty_like(q), kw_s), True)
                     except Exception as exc:  # noqa: BLE001
-                        sweep[tag] = repr(exc)[:120]
-                res["sweep_ms"] = sweep
-                best = min((k for k in sweep if isinstance(sweep[k], float)), key=lambda k: sweep[k])
-                sweep_cfg = kws[best]
-                res["best"] = best
-            kw = sweep_cfg or {}
+                        sweep[f"q{bq}w{w}p{pg}f{bf}"] = repr(exc)[:120]
+                row["sweep_ms"] = sweep
+            kw: dict[str, object] = {}  # the defaults: what the backend runs
             o1, o2 = torch.full_like(q, float("nan")), torch.full_like(q, float("nan"))
             ours(o1, kw)()
             ours(o2, kw)()
             row["rel_err"] = float((o1.float() - ref).norm() / ref.norm())
             row["nan"] = bool(o1.isnan().any())
             row["deterministic"] = bool(torch.equal(o1.view(torch.int16), o2.view(torch.int16)))
+            o4 = torch.full_like(q, float("nan"))
+            ours(o4, {**kw, "key": None, "value": None})()  # every key from the pages
+            row["pages_only_rel_err"] = float((o4.float() - ref).norm() / ref.norm())
             if not smoke:
                 row["ours_ms"] = bench_fn(ours(o1, kw), True)
+                row["pages_only_ms"] = bench_fn(ours(o4, {**kw, "key": None, "value": None}), True)
                 if unified_attention is not None:
                     n_q = q.shape[0]
                     sc = (torch.empty(n_q, HQ, 16, D, dtype=torch.float32, device=dev),
@@ -247,10 +251,12 @@ def prefill_section(pool, unified_attention, gen: torch.Generator, dev: str, smo
                     row["vllm_rel_err"] = float((ov.float() - ref).norm() / ref.norm())
                     row["vllm_ms"] = bench_fn(vllm, True)
                     row["speedup_vs_vllm"] = row["vllm_ms"] / row["ours_ms"]
+                    row["pages_only_speedup_vs_vllm"] = row["vllm_ms"] / row["pages_only_ms"]
             nd = next((i for i, n in enumerate(q_lens) if n != 1), len(q_lens))  # leading decode tokens
             if 0 < nd < len(q_lens):  # as the backend runs it: decodes to the decode kernel, the rest to prefill
-                def routed(out_t, q=q, bt=bt, seq_lens=seq_lens, start=start, q_lens=q_lens, lens=lens, nd=nd):  # noqa: ANN001, ANN202
-                    return lambda: layer.attend(q, out_t, bt, seq_lens, start, max(q_lens), max(lens), scale, nd)
+                def routed(out_t, q=q, bt=bt, seq_lens=seq_lens, start=start, q_lens=q_lens, lens=lens, nd=nd, own=own):  # noqa: ANN001, ANN202
+                    return lambda: layer.attend(q, out_t, bt, seq_lens, start, max(q_lens), max(lens), scale, nd,
+                                                **own)
                 o3 = torch.full_like(q, float("nan"))
                 routed(o3)()
                 row["routed_rel_err"] = float((o3.float() - ref).norm() / ref.norm())

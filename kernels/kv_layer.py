@@ -6,7 +6,8 @@ backend (`glyd_engine.vllm_plugin.triton_backend`) hands it the step's tensors, 
 hand-made batches (under TRITON_INTERPRET=1 on the CPU). Single decode tokens take the decode kernel (split
 over long contexts), everything else (prefill runs, chunks) the varlen prefill kernel; a mixed batch whose
 decodes come first (vLLM orders them so when a builder asks, and says how many) is split between the two.
-Both read the pages the step has just written.
+Both read the pages the step has just written, but the prefill kernel takes the step's own keys from its bf16
+K/V when the caller passes them (the same values: a fresh prefill then decodes no page).
 """
 
 from __future__ import annotations
@@ -41,11 +42,13 @@ class TritonKVLayer:
 
     def attend(self, query: torch.Tensor, out: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int, scale: float,
-               num_decodes: int | None = None) -> torch.Tensor:
+               num_decodes: int | None = None, key: torch.Tensor | None = None,
+               value: torch.Tensor | None = None) -> torch.Tensor:
         """Causal attention of the step's queries [T, Hq, D] over the pages (their K/V written first).
 
         num_decodes: how many leading sequences of the batch have exactly one query token each (host int), if
-        known; their queries are then the first num_decodes rows.
+        known; their queries are then the first num_decodes rows. key, value [T, H, D]: the step's own K/V (as
+        written); given, prefill runs read them instead of decoding their own pages.
         """
         num_seqs = seq_lens.shape[0]
         overflow = self._overflow()
@@ -57,8 +60,9 @@ class TritonKVLayer:
                                 max_seq_len, scale, overflow=overflow, out=out[:nd])
         if nd < num_seqs:  # the rest, its query offsets rebased to its first token (a device op, no sync)
             start = query_start_loc[nd:] - query_start_loc[nd] if nd else query_start_loc
+            fresh = {} if key is None or value is None else {"key": key[nd:], "value": value[nd:]}
             kv_prefill_attention(query[nd:], self.pages, self.layout, self.bases, block_table[nd:], seq_lens[nd:],
-                                 start, max_query_len, scale, overflow=overflow, out=out[nd:])
+                                 start, max_query_len, scale, overflow=overflow, out=out[nd:], **fresh)
         return out
 
     def _overflow(self) -> DeviceOverflowStore | None:

@@ -149,10 +149,17 @@ class GlydTritonAttentionImpl(AttentionImpl):
         n = md.num_actual_tokens
         num_reqs = md.seq_lens.shape[0]
         out = output[:n].view(n, self.num_heads, self.head_size)
+        fresh = {}
+        if key is not None and value is not None:  # the step's own K/V: prefill runs need not decode their pages
+            fresh = {"key": key[:n].view(n, self.num_kv_heads, self.head_size),
+                     "value": value[:n].view(n, self.num_kv_heads, self.head_size)}
         kv.attend(query[:n].view(n, self.num_heads, self.head_size), out, md.block_table[:num_reqs],
-                  md.seq_lens, md.query_start_loc, md.max_query_len, md.max_seq_len, self.scale, md.num_decodes)
+                  md.seq_lens, md.query_start_loc, md.max_query_len, md.max_seq_len, self.scale, md.num_decodes,
+                  **fresh)
         if 0 < md.num_decodes < num_reqs:
             state.STATS.split_batches += 1
+        if fresh and md.num_decodes < num_reqs:
+            state.STATS.fresh_prefills += 1
         if st.shadow is not None and not state.COMPARE["paused"]:
             self._check(st, kv, md)
         return output

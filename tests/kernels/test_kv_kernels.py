@@ -173,6 +173,44 @@ def test_mixed_batch_attention_matches_fp32_reference(D: int, G: int, block_q: i
     torch.testing.assert_close(one.float(), outs[0][-1:].float(), rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("D,G,block_q,block_f,pages", [(64, 4, None, 32, 1), (128, 2, 3, 16, 2)])
+def test_prefill_reads_its_own_kv_from_the_step_and_the_prefix_from_pages(D: int, G: int, block_q: int | None,
+                                                                         block_f: int, pages: int) -> None:
+    """Given the step's K/V, the prefill kernel reads them for the step's own keys and decodes only the cached
+    prefix: with step K/V that differ from what the pages hold, the answer is attention over the pages' prefix
+    followed by the step's K/V (so neither source can stand in for the other unseen)."""
+    g = torch.Generator().manual_seed(13 + D)
+    H, B = 2, 16
+    lens, q_lens = [40, 70, 37, 33], [40, 22, 5, 1]  # a prefill run, chunks after full pages and mid-page, a decode
+    lay, dec, cache, ovf, bt, ks, vs = _paged(lens, H, D, B, 1, g)
+    kf, vf = make_kv(sum(q_lens), H, D, g)  # not what the pages hold for these positions
+    q = torch.randn(sum(q_lens), H * G, D, generator=g).to(torch.bfloat16)
+    start = torch.tensor([0, *torch.cumsum(torch.tensor(q_lens), 0).tolist()], dtype=torch.int32)
+    keys = [torch.cat([ks[s][: lens[s] - q_lens[s]], kf[start[s]:start[s + 1]]]) for s in range(len(lens))]
+    values = [torch.cat([vs[s][: lens[s] - q_lens[s]], vf[start[s]:start[s + 1]]]) for s in range(len(lens))]
+    scale = D ** -0.5
+    ref = reference_prefill_attention(q, start, keys, values, scale)
+    outs = []
+    for _ in range(2):
+        out = torch.full_like(q, float("nan"))
+        kv_prefill_attention(q, cache, lay, pack_bases(dec), bt, torch.tensor(lens, dtype=torch.int32), start,
+                             max(q_lens), scale, ovf, out=out, block_q=block_q, pages=pages, key=kf, value=vf,
+                             block_f=block_f)
+        assert not out.isnan().any()
+        for s in range(len(lens)):
+            rows = slice(int(start[s]), int(start[s + 1]))
+            err = float((out[rows].float() - ref[rows]).norm() / ref[rows].norm())
+            assert err < 1e-2, (s, err)
+        outs.append(out)
+    assert torch.equal(_bits(outs[0]), _bits(outs[1])), "same inputs, same bits"
+    with pytest.raises(ValueError, match="key and value"):
+        kv_prefill_attention(q, cache, lay, pack_bases(dec), bt, torch.tensor(lens, dtype=torch.int32), start,
+                             max(q_lens), scale, ovf, key=kf[1:], value=vf[1:])
+    with pytest.raises(ValueError, match="bf16"):
+        kv_prefill_attention(q, cache, lay, pack_bases(dec), bt, torch.tensor(lens, dtype=torch.int32), start,
+                             max(q_lens), scale, ovf, key=kf.float(), value=vf.float())
+
+
 @pytest.mark.skipif(not SAMPLES.exists(), reason="recorded demo-model K/V not present")
 def test_attention_on_recorded_kv() -> None:
     from safetensors.torch import load_file

@@ -24,12 +24,13 @@ from kernels.kv_layer import TritonKVLayer  # noqa: E402
 from kernels.kv_prefill_attention import reference_prefill_attention  # noqa: E402
 
 DEV = os.environ.get("GLYD_TEST_DEVICE", "cpu")
-# (KV heads, query heads a KV head, D, whether the caller says how many decodes lead the batch)
-SHAPES = [(2, 2, 64, True), (2, 2, 64, False)] + ([(8, 4, 128, True)] if DEV != "cpu" else [])
+# (KV heads, query heads a KV head, D, whether the caller says how many decodes lead the batch, whether it
+# passes the step's own K/V as the backend does)
+SHAPES = [(2, 2, 64, True, True), (2, 2, 64, False, False)] + ([(8, 4, 128, True, True)] if DEV != "cpu" else [])
 
 
-@pytest.mark.parametrize("H,G,D,split", SHAPES)
-def test_layer_steps_like_vllm_and_reads_back_every_value(H: int, G: int, D: int, split: bool) -> None:
+@pytest.mark.parametrize("H,G,D,split,fresh", SHAPES)
+def test_layer_steps_like_vllm_and_reads_back_every_value(H: int, G: int, D: int, split: bool, fresh: bool) -> None:
     g = torch.Generator().manual_seed(5)
     B, nb = 16, 9
     lay = layout(D, B, 1, 1)  # a small reserve: pages overflow
@@ -58,14 +59,16 @@ def test_layer_steps_like_vllm_and_reads_back_every_value(H: int, G: int, D: int
             ks.append(k)
             vs.append(v)
             starts.append(starts[-1] + n)
-        layer.write(torch.cat(ks), torch.cat(vs), torch.cat(slots))
+        step_k, step_v = torch.cat(ks), torch.cat(vs)
+        layer.write(step_k, step_v, torch.cat(slots))
         query = torch.cat(qs)
         out = torch.full_like(query, float("nan"))
         qsl = torch.tensor(starts, dtype=torch.int32, device=DEV)
         seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
         decodes = (1 if n0 == 1 else 0) + (1 if n0 == n1 == 1 else 0)  # leading one-token sequences
+        own = {"key": step_k, "value": step_v} if fresh else {}
         layer.attend(query, out, block_table, seq_lens, qsl, max(n0, n1), max(lens), scale,
-                     decodes if split else None)
+                     decodes if split else None, **own)
         keys = [torch.cat([k for k, _ in w]) for w in written]
         values = [torch.cat([v for _, v in w]) for w in written]
         ref = reference_prefill_attention(query, qsl, keys, values, scale)

@@ -36,6 +36,8 @@ def test_triton_path_selected_and_capacity(triton_run: dict, off_run: dict) -> N
     assert "Glyd KV cache: lossless (lossless pages, every value exact; triton kernels)" in triton_run["log"]
     # a step held a decode token and a prompt chunk: vLLM put the decode first and it took the decode kernel
     assert triton_run["stats"]["split_batches"] > 0
+    # vLLM handed the step's own K/V to attention, and prefill runs read them instead of their pages
+    assert triton_run["stats"]["fresh_prefills"] > 0
     assert triton_run["kv_tokens"] > 1.35 * off_run["kv_tokens"], (triton_run["kv_tokens"], off_run["kv_tokens"])
     assert KV_BYTES  # both engines ran in the same fixed KV memory (conftest's engine())
 
