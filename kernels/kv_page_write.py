@@ -212,7 +212,7 @@ class PageWriter:
     """Write path of one layer: decode table uint8 [2, H, D, 7] (windows) on the cache's device, and scratch."""
 
     def __init__(self, layout: KVPageLayout, decode_table: torch.Tensor, tokens_per_program: int = 32,
-                 num_warps: int = 4, escape_tokens_per_program: int = 4, escape_num_warps: int = 1) -> None:
+                 num_warps: int = 4, escape_tokens_per_program: int = 8, escape_num_warps: int = 1) -> None:
         if layout.head_size & (layout.head_size - 1) or layout.head_size < 32:
             raise ValueError(f"the Triton page writer needs a power-of-two head size >= 32, not {layout.head_size}")
         if layout.block_size & (layout.block_size - 1) or layout.block_size < 4:
