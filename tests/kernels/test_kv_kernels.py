@@ -144,6 +144,26 @@ def test_attention_matches_fp32_reference(D: int, G: int, splits: int | None, kw
     assert torch.equal(_bits(again), _bits(outs[0])), "same inputs, same bits"
 
 
+def _prefill_twice_against(ref: torch.Tensor, q: torch.Tensor, batch: tuple, **kw: object) -> torch.Tensor:
+    """Prefill attention of the batch twice on NaN-poisoned outputs: every sequence's rows within 1e-2 of `ref`,
+    the same bits both times. batch: (cache, layout, decode table, block table, lens, start, q_lens, scale,
+    overflow)."""
+    cache, lay, dec, bt, lens, start, q_lens, scale, ovf = batch
+    outs = []
+    for _ in range(2):
+        out = torch.full_like(q, float("nan"))
+        kv_prefill_attention(q, cache, lay, pack_bases(dec), bt, torch.tensor(lens, dtype=torch.int32), start,
+                             max(q_lens), scale, ovf, out=out, **kw)
+        assert not out.isnan().any()
+        for s in range(len(lens)):  # every sequence's rows, so a slip in one cannot hide in the mean
+            rows = slice(int(start[s]), int(start[s + 1]))
+            err = float((out[rows].float() - ref[rows]).norm() / ref[rows].norm())
+            assert err < 1e-2, (s, err)
+        outs.append(out)
+    assert torch.equal(_bits(outs[0]), _bits(outs[1])), "same inputs, same bits"
+    return outs[0]
+
+
 @pytest.mark.parametrize("D,G,block_q,pages", [(64, 4, None, 1), (128, 2, 3, 2), (256, 1, 2, 1), (64, 2, 4, 4)])
 def test_mixed_batch_attention_matches_fp32_reference(D: int, G: int, block_q: int | None, pages: int) -> None:
     """A prefill run, a chunk after full pages, a chunk mid-page and a decode token in one varlen batch."""
@@ -156,21 +176,13 @@ def test_mixed_batch_attention_matches_fp32_reference(D: int, G: int, block_q: i
     start = torch.tensor([0, *torch.cumsum(torch.tensor(q_lens), 0).tolist()], dtype=torch.int32)
     scale = D ** -0.5
     ref = reference_prefill_attention(q, start, ks, vs, scale)
-    outs = []
-    for _ in range(2):
-        out = torch.full_like(q, float("nan"))
-        kv_prefill_attention(q, cache, lay, pack_bases(dec), bt, torch.tensor(lens, dtype=torch.int32), start,
-                             max(q_lens), scale, ovf, out=out, block_q=block_q, pages=pages)
-        assert not out.isnan().any()
-        err = float((out.float() - ref).norm() / ref.norm())
-        assert err < 1e-2, err
-        outs.append(out)
-    assert torch.equal(_bits(outs[0]), _bits(outs[1])), "same inputs, same bits"
+    out = _prefill_twice_against(ref, q, (cache, lay, dec, bt, lens, start, q_lens, scale, ovf),
+                                 block_q=block_q, pages=pages)
     # the decode token's row equals the decode kernel's answer for the same sequence, within bf16 rounding
     one = torch.full_like(q[-1:], float("nan"))
     kv_decode_attention(q[-1:], cache, lay, pack_bases(dec), bt[3:], torch.tensor(lens[3:], dtype=torch.int32),
                         lens[3], scale, ovf, out=one, num_splits=1)
-    torch.testing.assert_close(one.float(), outs[0][-1:].float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(one.float(), out[-1:].float(), rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("D,G,block_q,block_f,pages", [(64, 4, None, 32, 1), (128, 2, 3, 16, 2)])
@@ -190,19 +202,8 @@ def test_prefill_reads_its_own_kv_from_the_step_and_the_prefix_from_pages(D: int
     values = [torch.cat([vs[s][: lens[s] - q_lens[s]], vf[start[s]:start[s + 1]]]) for s in range(len(lens))]
     scale = D ** -0.5
     ref = reference_prefill_attention(q, start, keys, values, scale)
-    outs = []
-    for _ in range(2):
-        out = torch.full_like(q, float("nan"))
-        kv_prefill_attention(q, cache, lay, pack_bases(dec), bt, torch.tensor(lens, dtype=torch.int32), start,
-                             max(q_lens), scale, ovf, out=out, block_q=block_q, pages=pages, key=kf, value=vf,
-                             block_f=block_f)
-        assert not out.isnan().any()
-        for s in range(len(lens)):
-            rows = slice(int(start[s]), int(start[s + 1]))
-            err = float((out[rows].float() - ref[rows]).norm() / ref[rows].norm())
-            assert err < 1e-2, (s, err)
-        outs.append(out)
-    assert torch.equal(_bits(outs[0]), _bits(outs[1])), "same inputs, same bits"
+    _prefill_twice_against(ref, q, (cache, lay, dec, bt, lens, start, q_lens, scale, ovf), block_q=block_q,
+                           pages=pages, key=kf, value=vf, block_f=block_f)
     with pytest.raises(ValueError, match="key and value"):
         kv_prefill_attention(q, cache, lay, pack_bases(dec), bt, torch.tensor(lens, dtype=torch.int32), start,
                              max(q_lens), scale, ovf, key=kf[1:], value=vf[1:])
