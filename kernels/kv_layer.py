@@ -60,9 +60,9 @@ class TritonKVLayer:
                                 max_seq_len, scale, overflow=overflow, out=out[:nd])
         if nd < num_seqs:  # the rest, its query offsets rebased to its first token (a device op, no sync)
             start = query_start_loc[nd:] - query_start_loc[nd] if nd else query_start_loc
-            fresh = {} if key is None or value is None else {"key": key[nd:], "value": value[nd:]}
             kv_prefill_attention(query[nd:], self.pages, self.layout, self.bases, block_table[nd:], seq_lens[nd:],
-                                 start, max_query_len, scale, overflow=overflow, out=out[nd:], **fresh)
+                                 start, max_query_len, scale, overflow=overflow, out=out[nd:],
+                                 key=None if key is None else key[nd:], value=None if value is None else value[nd:])
         return out
 
     def _overflow(self) -> DeviceOverflowStore | None:

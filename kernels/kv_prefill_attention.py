@@ -126,9 +126,9 @@ def kv_prefill_attention(query: torch.Tensor, cache: torch.Tensor, layout: KVPag
     """
     H, G = _check_query(query, cache, layout)
     total, Hq, D = query.shape
-    fresh = key is not None
+    fresh = key is not None or value is not None
     if fresh:
-        if value is None or key.shape != (total, H, D) or value.shape != key.shape:
+        if key is None or value is None or key.shape != (total, H, D) or value.shape != key.shape:
             raise ValueError(f"key and value must both be [{total}, {H}, {D}] (the step's own, a row a query), "
                              f"not {None if key is None else tuple(key.shape)} / "
                              f"{None if value is None else tuple(value.shape)}")

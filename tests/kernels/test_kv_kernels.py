@@ -144,6 +144,14 @@ def test_attention_matches_fp32_reference(D: int, G: int, splits: int | None, kw
     assert torch.equal(_bits(again), _bits(outs[0])), "same inputs, same bits"
 
 
+def _each_sequence_close(out: torch.Tensor, ref: torch.Tensor, start: torch.Tensor, tag: object = None) -> None:
+    """Every sequence's rows within 1e-2 of fp32, so a slip in one cannot hide in the mean."""
+    for s in range(start.numel() - 1):
+        rows = slice(int(start[s]), int(start[s + 1]))
+        err = float((out[rows].float() - ref[rows]).norm() / ref[rows].norm())
+        assert err < 1e-2, (tag, s, err)
+
+
 def _prefill_twice_against(ref: torch.Tensor, q: torch.Tensor, batch: tuple, **kw: object) -> torch.Tensor:
     """Prefill attention of the batch twice on NaN-poisoned outputs: every sequence's rows within 1e-2 of `ref`,
     the same bits both times. batch: (cache, layout, decode table, block table, lens, start, q_lens, scale,
@@ -155,10 +163,7 @@ def _prefill_twice_against(ref: torch.Tensor, q: torch.Tensor, batch: tuple, **k
         kv_prefill_attention(q, cache, lay, pack_bases(dec), bt, torch.tensor(lens, dtype=torch.int32), start,
                              max(q_lens), scale, ovf, out=out, **kw)
         assert not out.isnan().any()
-        for s in range(len(lens)):  # every sequence's rows, so a slip in one cannot hide in the mean
-            rows = slice(int(start[s]), int(start[s + 1]))
-            err = float((out[rows].float() - ref[rows]).norm() / ref[rows].norm())
-            assert err < 1e-2, (s, err)
+        _each_sequence_close(out, ref, start)
         outs.append(out)
     assert torch.equal(_bits(outs[0]), _bits(outs[1])), "same inputs, same bits"
     return outs[0]
@@ -210,6 +215,9 @@ def test_prefill_reads_its_own_kv_from_the_step_and_the_prefix_from_pages(D: int
     with pytest.raises(ValueError, match="bf16"):
         kv_prefill_attention(q, cache, lay, pack_bases(dec), bt, torch.tensor(lens, dtype=torch.int32), start,
                              max(q_lens), scale, ovf, key=kf.float(), value=vf.float())
+    with pytest.raises(ValueError, match="key and value"):  # one without the other
+        kv_prefill_attention(q, cache, lay, pack_bases(dec), bt, torch.tensor(lens, dtype=torch.int32), start,
+                             max(q_lens), scale, ovf, value=vf)
 
 
 @pytest.mark.skipif(not SAMPLES.exists(), reason="recorded demo-model K/V not present")
@@ -249,7 +257,4 @@ def test_layer_splits_leading_decodes_from_prefills() -> None:
         out = torch.full_like(q, float("nan"))
         layer.attend(q, out, bt, seq_lens, start, max(q_lens), max(lens), D ** -0.5, num_decodes)
         assert not out.isnan().any()
-        for s in range(len(lens)):  # every sequence's rows, so a slicing slip cannot hide in the mean
-            rows = slice(int(start[s]), int(start[s + 1]))
-            err = float((out[rows].float() - ref[rows]).norm() / ref[rows].norm())
-            assert err < 1e-2, (num_decodes, s, err)
+        _each_sequence_close(out, ref, start, num_decodes)
