@@ -299,7 +299,8 @@ def main() -> None:  # noqa: C901, PLR0915
                 row["ours_frac_copy"] = row["ours_TBps"] / copy_tbs
                 for var in variants:
                     vfns = [ours(q, bt, lens, L, o, var) for (bt, lens, q), o in zip(cases, outs, strict=True)]
-                    row["ms_" + ",".join(f"{k}={v}" for k, v in var)] = bench_fn(lambda vf=vfns: [f() for f in vf]) / rot
+                    name = "ms_" + ",".join(f"{k}={v}" for k, v in var)
+                    row[name] = bench_fn(lambda vf=vfns: [f() for f in vf]) / rot
                 if unified_attention is not None:
                     sc = scratch_for(S)
                     vf = [vllm_fn(q, bt, lens, L, o, sc) for (bt, lens, q), o in zip(cases, outs, strict=True)]
@@ -330,7 +331,7 @@ def main() -> None:  # noqa: C901, PLR0915
     print("\n| batch | ctx | ours ms | vLLM ms | SDPA ms | vs vLLM | vs SDPA | ours TB/s | of copy |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        f = lambda key, fmt="{:.3f}": fmt.format(r[key]) if key in r else "-"  # noqa: E731
+        f = lambda key, fmt="{:.3f}", r=r: fmt.format(r[key]) if key in r else "-"  # noqa: E731
         print(f"| {r['batch']} | {r['context']} | {f('ours_ms')} | {f('vllm_ms')} | {f('sdpa_ms')} | "
               f"{f('speedup_vs_vllm', '{:.2f}x')} | {f('speedup_vs_sdpa', '{:.2f}x')} | {f('ours_TBps', '{:.2f}')} | "
               f"{f('ours_frac_copy', '{:.0%}')} |")

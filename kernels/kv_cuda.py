@@ -2,7 +2,7 @@
 
 Each launcher takes the layer's tensors as vLLM holds them (`cache` is the layer's page tensor viewed as
 [num_blocks, KV heads, page_bytes] uint8) and the window tops [2, H, D] on the same device. The kernels are
-compiled per (head size, query heads a KV head, reserve, tiles a page) on first use (kernels/nvrtc.py).
+compiled per (head size, code bits, query heads a KV head, reserve, tiles a page) on first use (kernels/nvrtc.py).
 """
 
 from __future__ import annotations
@@ -25,14 +25,14 @@ KERNELS = ("kv_decode_attention", "kv_merge", "kv_read_tiles", "kv_write", "kv_s
 
 def defines(layout: KVPageLayout, group: int, variant: tuple[tuple[str, int], ...] = ()) -> dict[str, int]:
     """Compile-time constants of a build; `variant` overrides tuning ones (MIN_BLOCKS, WARPS) for benchmarks."""
-    return {"HEAD": layout.head_size, "GQ": group, "RESERVE": layout.reserve, "TPP": layout.tiles, "WARPS": WARPS,
-            **dict(variant)}
+    return {"HEAD": layout.head_size, "CODE_BITS": layout.code_bits, "GQ": group, "RESERVE": layout.reserve,
+            "TPP": layout.tiles, "WARPS": WARPS, **dict(variant)}
 
 
 @functools.lru_cache(maxsize=64)
-def _module(head_size: int, group: int, reserve: int, tiles: int, device: int,
+def _module(head_size: int, code_bits: int, group: int, reserve: int, tiles: int, device: int,
             variant: tuple[tuple[str, int], ...] = ()) -> tuple[dict, int, int]:
-    lay = KVPageLayout(head_size, tiles * TILE, reserve)
+    lay = KVPageLayout(head_size, tiles * TILE, reserve, code_bits)
     ks = nvrtc.load(SOURCE, defines(lay, group, variant), KERNELS, device)
     sizes = torch.zeros(2, dtype=torch.int32, device=f"cuda:{device}")
     ks["kv_sizes"]((1,), (1,), [sizes])
@@ -49,7 +49,7 @@ def kernels(layout: KVPageLayout, group: int, device: torch.device, variant: tup
     """(kernels, decode attention's shared memory, writer's shared memory), compiled and loaded once."""
     if not 1 <= group <= 8:
         raise ValueError(f"the CUDA KV kernels take 1..8 query heads a KV head, not {group}")
-    return _module(layout.head_size, group, layout.reserve, layout.tiles, device.index or 0, variant)
+    return _module(layout.head_size, layout.code_bits, group, layout.reserve, layout.tiles, device.index or 0, variant)
 
 
 def _check(cache: torch.Tensor, layout: KVPageLayout, tops: torch.Tensor) -> int:

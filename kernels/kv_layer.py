@@ -16,7 +16,7 @@ from glyd_engine.format.kv_page import TILE, KVPageCodec, KVPageLayout, Overflow
 
 
 class KVLayer:
-    """Pages [num_blocks, H, page_bytes] uint8 (a view of vLLM's layer tensor) with the layer's window tops [2, H, D]."""
+    """Pages [num_blocks, H, page_bytes] uint8 (a view of vLLM's layer tensor), the layer's window tops [2, H, D]."""
 
     def __init__(self, layout: KVPageLayout, tops: torch.Tensor, pages: torch.Tensor, impl: str = "cuda") -> None:
         if pages.dim() != 3 or pages.shape[2] != layout.page_bytes or tops.shape != (2, pages.shape[1],

@@ -1,17 +1,17 @@
-"""The KV page code (page code v3): vLLM's fixed-size pages at ~11.3 bits a bf16 value, every value exact.
+"""The KV page code (page code v3): vLLM's fixed-size pages at ~11.3 (or ~12.1) bits a bf16 value, every value exact.
 
 A page (one block, one KV head) is B/16 tiles of 16 tokens. In a tile, K and V each keep per value:
   L     one byte: (c & 1) << 7 | mantissa
-  hi    three bits: the sign, c >> 2, c >> 1 & 1
-where c = exponent - (top - 7) is the exponent's place in its channel's window [top - 7, top] (8 exponents,
-one byte `top` a channel from the model's tables). Both planes are stored in the order of a GPU lane's
-operand fragments of `mma.sync.m16n8k16` (K as the B operand of S = Q·Kᵀ, V as the A operand of Oᵀ = Vᵀ·Pᵀ),
-so one lane's 16-byte loads hold exactly the values it feeds the tensor cores, and a pair of bf16 values is
-one byte permute of L and H = sign << 7 | (120 + c) >> 1: the value scaled by 2^(127 - top), which the
-attention kernel undoes on the query side (docs/format.md section 2).
+  hi    b bits: the sign and c's bits b-1 .. 1
+where c = exponent - (top - 2^b + 1) is the exponent's place in its channel's window of 2^b exponents ending at
+`top` (one byte a channel from the model's tables; b = 3, the default, or 4). Both planes are stored in the order of
+a GPU lane's operand fragments of `mma.sync.m16n8k16` (K as the A operand of Sᵀ = K·Qᵀ, V as the A operand of
+Oᵀ = Vᵀ·Pᵀ), so one lane's 16-byte loads hold exactly the values it feeds the tensor cores, and a pair of bf16
+values is one byte permute of L and H = sign << 7 | (128 - 2^b + c) >> 1: the value scaled by 2^(127 - top), which
+the attention kernel undoes on the query side (docs/format.md section 2).
 
 A value outside its window (an **escape**; zeros, subnormals, inf and NaN always are) is stored with
-c = exponent & 7 and listed in the tile's escape list as a 16-bit entry `o | (exponent >> 3) << 11`, o being
+c = exponent mod 2^b and listed in the tile's escape list as a 16-bit entry `o | (exponent >> b) << 11`, o being
 its L byte's offset, so the value is `L`, `hi` and the entry together. K entries fill the tile's list from
 its start, V entries from its end; what does not fit goes to the tile's overflow run (`OverflowStore`), the
 defined lossless path for rare prompts. Appending token t writes its bytes and bits and appends its entries;
@@ -30,12 +30,9 @@ from glyd_engine.format import bf16
 
 KV_PAGE_VERSION = 3  # changes whenever a page byte would; tables name the version they were built for
 TILE = 16  # tokens a tile: one k-step of the P·V product, two n-blocks of the Q·Kᵀ product
-CODE_BITS = 3
-WINDOW = 1 << CODE_BITS  # exponents a channel's window holds: top - 7 .. top
-MIN_TOP = WINDOW  # no window holds exponent 0 (zeros, subnormals) ...
-MAX_TOP = 254  # ... or 255 (inf, NaN): those always escape
-UNSEEN_TOP = 127  # the window of a channel no calibration value reached: |x| in 2^-7 .. 2
-PRESCALED = 128 - WINDOW  # the exponent a code c decodes to in the kernel's scaled domain: 120 + c
+CODE_BITS = (3, 4)  # the two codes: 3 bits (8-exponent windows, the densest) or 4 (16, far fewer escapes)
+MAX_TOP = 254  # no window holds exponent 255 (inf, NaN), nor exponent 0 (tops >= the window): those always escape
+UNSEEN_TOP = 127  # the window top of a channel no calibration value reached: |x| up to 2
 HEAD_SIZES = (64, 128)  # D/2 values a lane per tile in 3-word units; escape offsets fit 11 bits
 LANES = 32
 POS_BITS = 11
@@ -54,38 +51,50 @@ def check_head_size(head_size: int) -> None:
             "use GLYD_KV=off for this model")
 
 
+def window(code_bits: int) -> int:
+    """Exponents a channel's window holds: top - window + 1 .. top."""
+    if code_bits not in CODE_BITS:
+        raise ValueError(f"the page code has {' and '.join(map(str, CODE_BITS))}-bit codes, not {code_bits}")
+    return 1 << code_bits
+
+
+def prescaled(code_bits: int) -> int:
+    """The exponent code c decodes to in the kernel's scaled domain: 128 - window + c (120 + c or 112 + c)."""
+    return 128 - window(code_bits)
+
+
 def valid_reserve(entries: int) -> int:
     """The smallest reserve >= entries that keeps tiles a multiple of 16 bytes (4 mod 8, at least 4)."""
     entries = max(4, entries)
     return entries + (4 - entries) % RESERVE_STEP
 
 
-def plane_bytes(head_size: int) -> tuple[int, int]:
+def plane_bytes(head_size: int, code_bits: int = 3) -> tuple[int, int]:
     """(L plane, hi plane) bytes of one tile's K or V."""
-    return TILE * head_size, TILE * head_size * CODE_BITS // 8
+    return TILE * head_size, TILE * head_size * code_bits // 8
 
 
-def tile_bytes(head_size: int, reserve: int) -> int:
-    lp, hp = plane_bytes(head_size)
+def tile_bytes(head_size: int, reserve: int, code_bits: int = 3) -> int:
+    lp, hp = plane_bytes(head_size, code_bits)
     return 2 * (lp + hp) + TRAILER + 2 * reserve
 
 
-def token_bytes(head_size: int, reserve: int) -> int:
+def token_bytes(head_size: int, reserve: int, code_bits: int = 3) -> int:
     """C: bytes a token and KV head, K and V together; independent of the block size."""
-    tb = tile_bytes(head_size, reserve)
+    tb = tile_bytes(head_size, reserve, code_bits)
     if tb % TILE:
         raise ValueError(f"reserve {reserve} does not make whole 16-byte tiles (use valid_reserve)")
     return tb // TILE
 
 
 # -- fragment order ------------------------------------------------------------------------------------------
-def _h_words(head_size: int) -> int:
-    return CODE_BITS * head_size // 64  # 32-bit words of hi bits a lane per tile
+def _h_words(head_size: int, code_bits: int) -> int:
+    return code_bits * head_size // 64  # 32-bit words of hi bits a lane per tile
 
 
-def _word_offsets(head_size: int) -> torch.Tensor:
+def _word_offsets(head_size: int, code_bits: int) -> torch.Tensor:
     """int64 [32 lanes, words]: byte offset of each lane's hi word in the hi plane (lane-major 16/8/4-byte chunks)."""
-    nw = _h_words(head_size)
+    nw = _h_words(head_size, code_bits)
     offs = torch.empty(LANES, nw, dtype=torch.int64)
     lane = torch.arange(LANES)
     k, base = 0, 0
@@ -98,14 +107,23 @@ def _word_offsets(head_size: int) -> torch.Tensor:
     return offs
 
 
-def group_hi_bits(q: int) -> list[tuple[int, int, int]]:
+def hi_targets(code_bits: int) -> tuple[int, ...]:
+    """The H-byte bits a value's hi fields fill: the sign (bit 7), then c's bits code_bits - 1 .. 1 (bits 1, 0 or
+    2, 1, 0): H = sign << 7 | (prescaled + c) >> 1, whose other bits are constant (0x3C or 0x38)."""
+    return (7, *range(code_bits - 2, -1, -1))
+
+
+def group_hi_bits(q: int, code_bits: int = 3) -> list[tuple[int, int, int]]:
     """Where group q's hi bits sit: [(word, rotation, target bits of H it fills)], 1 or 2 pieces.
 
-    A lane's groups come in units of 8 over 3 words: groups 0-2 unrotated in words 0-2 (H bits 7, 1, 0 of each
-    byte are word bits 8b+7, 8b+1, 8b), groups 3-5 rotated right by 3 (bits 8b+10, 8b+4, 8b+3), and groups
-    6 and 7 in the 2 bits a byte the others leave (bits 7 and 0 of H from words 0 and 1 rotated by 6; bit 1
+    3-bit code: a lane's groups come in units of 8 over 3 words: groups 0-2 unrotated in words 0-2 (H bits 7, 1,
+    0 of each byte are word bits 8b+7, 8b+1, 8b), groups 3-5 rotated right by 3 (bits 8b+10, 8b+4, 8b+3), and
+    groups 6 and 7 in the 2 bits a byte the others leave (bits 7 and 0 of H from words 0 and 1 rotated by 6; bit 1
     from word 2 rotated by 4 and 5). `rot(word, r) & mask | 0x3C3C3C3C` gives the four H bytes.
+    4-bit code: two groups a word, unrotated (bits 8b+7, 8b+2..8b) and rotated by 4; `| 0x38383838`.
     """
+    if code_bits == 4:
+        return [(q // 2, 4 * (q % 2), 0x87)]
     u, r = divmod(q, 8)
     w = 3 * u
     if r < 3:
@@ -115,21 +133,23 @@ def group_hi_bits(q: int) -> list[tuple[int, int, int]]:
     return [(w + r - 6, 6, 0x81), (w + 2, r - 2, 0x02)]
 
 
-@functools.lru_cache(maxsize=8)
-def fragment_maps(head_size: int, kv: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """For K (kv=0) or V (kv=1) of one tile: (o [16, D], hbit [16, D, 3]) int64.
+@functools.lru_cache(maxsize=16)
+def fragment_maps(head_size: int, kv: int, code_bits: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """For K (kv=0) or V (kv=1) of one tile: (o [16, D], hbit [16, D, code_bits]) int64.
 
-    o: the offset of value (t, d)'s L byte in the L plane; hbit: the bit (8 * byte + bit) of its sign, c >> 2
-    and c >> 1 & 1 in the hi plane. The fragment of lane 4g + tig (g = lane / 4) holds, per group q of 4 values:
-      K: token 8(q % 2) + g, channels 16(q / 2) + 2tig + {0, 1, 8, 9}  (b0, b1 of an m16n8k16 B operand)
-      V: channel 16(q / 2) + g + 8(q % 2), tokens 2tig + {0, 1, 8, 9}    (a0/a2 or a1/a3 of an A operand)
+    o: the offset of value (t, d)'s L byte in the L plane; hbit: the bit (8 * byte + bit) of its sign and of c's
+    bits code_bits - 1 .. 1 in the hi plane. The fragment of lane 4g + tig (g = lane / 4) holds, per group q of
+    4 values (the registers a0/a2 or a1/a3 of an m16n8k16 A operand):
+      K: token 8(q % 2) + g, channels 16(q / 2) + 2tig + {0, 1, 8, 9}
+      V: channel 16(q / 2) + g + 8(q % 2), tokens 2tig + {0, 1, 8, 9}
     and its L bytes are lane-major 16-byte chunks: o = (q / 4) * 512 + lane * 16 + (q % 4) * 4 + b.
     """
     check_head_size(head_size)
     d_all = torch.arange(head_size)
     o = torch.empty(TILE, head_size, dtype=torch.int64)
-    hbit = torch.empty(TILE, head_size, 3, dtype=torch.int64)
-    woff = _word_offsets(head_size)
+    targets_h = hi_targets(code_bits)
+    hbit = torch.empty(TILE, head_size, code_bits, dtype=torch.int64)
+    woff = _word_offsets(head_size, code_bits)
     for t in range(TILE):
         for d in d_all.tolist():
             if kv == 0:
@@ -147,17 +167,16 @@ def fragment_maps(head_size: int, kv: int) -> tuple[torch.Tensor, torch.Tensor]:
             lane = 4 * g + tig
             o[t, d] = (q // 4) * 512 + lane * 16 + (q % 4) * 4 + b
             targets = {}
-            for word, rot, mask in group_hi_bits(q):
-                for p in (7, 1, 0):
-                    if mask >> p & 1:
-                        targets[p] = 8 * int(woff[lane, word]) + 0 + ((8 * b + p + rot) % 32)
-            # targets hold a bit index within the lane's word: turn it into a plane bit index
-            for f, p in enumerate((7, 1, 0)):
+            for word, rot, mask in group_hi_bits(q, code_bits):
+                for p in targets_h:
+                    if mask >> p & 1:  # word bit (8b + p + rot) % 32 of a little-endian word: its plane bit
+                        targets[p] = 8 * int(woff[lane, word]) + ((8 * b + p + rot) % 32)
+            for f, p in enumerate(targets_h):
                 hbit[t, d, f] = targets[p]
     return o, hbit
 
 
-@functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=16)
 def _inverse_o(head_size: int, kv: int) -> torch.Tensor:
     """int64 [16 * D]: the row-major (t, d) index of each L offset o."""
     o, _ = fragment_maps(head_size, kv)
@@ -167,22 +186,24 @@ def _inverse_o(head_size: int, kv: int) -> torch.Tensor:
 
 
 # -- tables ----------------------------------------------------------------------------------------------------
-def best_windows(counts: torch.Tensor) -> torch.Tensor:
-    """[..., 256] exponent counts -> tops uint8 [...]: per channel the 8-wide window holding the most."""
+def best_windows(counts: torch.Tensor, code_bits: int = 3) -> torch.Tensor:
+    """[..., 256] exponent counts -> tops uint8 [...]: per channel the window (8 or 16 wide) holding the most."""
+    w = window(code_bits)
     c = torch.nn.functional.pad(counts.to(torch.int64).cumsum(-1), (1, 0))  # c[..., i] = counts below i
-    tops = torch.arange(MIN_TOP, MAX_TOP + 1, device=counts.device)
-    held = c[..., tops + 1] - c[..., tops + 1 - WINDOW]
+    tops = torch.arange(w, MAX_TOP + 1, device=counts.device)
+    held = c[..., tops + 1] - c[..., tops + 1 - w]
     # ties go to the highest top: exponents above a calibration's range are likelier than below it
     best = tops[(held.shape[-1] - 1) - torch.argmax(held.flip(-1), dim=-1)]
     best = torch.where(c[..., -1] > 0, best, UNSEEN_TOP)  # a channel with no counts: values near 1.0
     return best.to(torch.uint8)
 
 
-def check_tops(tops: torch.Tensor) -> None:
+def check_tops(tops: torch.Tensor, code_bits: int = 3) -> None:
     if tops.dtype != torch.uint8:
         raise ValueError(f"window tops must be uint8, not {tops.dtype}")
-    if tops.numel() and (int(tops.min()) < MIN_TOP or int(tops.max()) > MAX_TOP):
-        raise ValueError(f"window tops must lie in {MIN_TOP}..{MAX_TOP} (no window may hold exponent 0 or 255)")
+    w = window(code_bits)
+    if tops.numel() and (int(tops.min()) < w or int(tops.max()) > MAX_TOP):
+        raise ValueError(f"window tops must lie in {w}..{MAX_TOP} (no window may hold exponent 0 or 255)")
 
 
 # -- layout ------------------------------------------------------------------------------------------------------
@@ -193,9 +214,11 @@ class KVPageLayout:
     head_size: int
     block_size: int
     reserve: int  # escape-list entries a tile, K and V together
+    code_bits: int = 3
 
     def __post_init__(self) -> None:
         check_head_size(self.head_size)
+        window(self.code_bits)
         if self.block_size <= 0 or self.block_size % TILE:
             raise ValueError(f"block size {self.block_size}: KV pages need a multiple of {TILE}")
         if self.reserve != valid_reserve(self.reserve):
@@ -207,26 +230,26 @@ class KVPageLayout:
 
     @property
     def token_bytes(self) -> int:
-        return token_bytes(self.head_size, self.reserve)
+        return token_bytes(self.head_size, self.reserve, self.code_bits)
 
     @property
     def tile_bytes(self) -> int:
-        return tile_bytes(self.head_size, self.reserve)
+        return tile_bytes(self.head_size, self.reserve, self.code_bits)
 
     @property
     def page_bytes(self) -> int:
         return self.tiles * self.tile_bytes
 
     def l_offset(self, kv: int) -> int:
-        return kv * plane_bytes(self.head_size)[0]
+        return kv * plane_bytes(self.head_size, self.code_bits)[0]
 
     def h_offset(self, kv: int) -> int:
-        lp, hp = plane_bytes(self.head_size)
+        lp, hp = plane_bytes(self.head_size, self.code_bits)
         return 2 * lp + kv * hp
 
     @property
     def trailer_offset(self) -> int:
-        lp, hp = plane_bytes(self.head_size)
+        lp, hp = plane_bytes(self.head_size, self.code_bits)
         return 2 * (lp + hp)
 
     @property
@@ -360,7 +383,7 @@ class KVPageCodec:
         two, heads, d = tops.shape
         if two != 2 or d != layout.head_size:
             raise ValueError(f"window tops of shape {tuple(tops.shape)} do not fit {layout}")
-        check_tops(tops)
+        check_tops(tops, layout.code_bits)
         self.layout = layout
         self.tops = tops
         self.num_heads = heads
@@ -407,17 +430,19 @@ class KVPageCodec:
         n_tot = cnt[..., 0:2].clone()  # [U, H, kv]: entries so far
         n_in = cnt[..., 2:4].clone()  # entries in the page
         entries_by_kv = []
+        cb = lay.code_bits
+        w = window(cb)
         for kv, x in ((0, key), (1, value)):
             e, sm = bf16.split(x)  # [T, H, D]
             e = e.to(torch.int64)
             s, m = (sm.to(torch.int64) >> 7) & 1, sm.to(torch.int64) & 0x7F
-            low = self.tops[kv].to(torch.int64).unsqueeze(0) - (WINDOW - 1)  # [1, H, D]
+            low = self.tops[kv].to(torch.int64).unsqueeze(0) - (w - 1)  # [1, H, D]
             c = e - low
-            esc = (c < 0) | (c >= WINDOW)
-            c = torch.where(esc, e & (WINDOW - 1), c)
+            esc = (c < 0) | (c >= w)
+            c = torch.where(esc, e & (w - 1), c)
             lbyte = ((c & 1) << 7) | m
-            hi = torch.stack([s, (c >> 2) & 1, (c >> 1) & 1], -1)  # [T, H, D, 3]
-            o, hbit = fragment_maps(D, kv)
+            hi = torch.stack([s, *((c >> j) & 1 for j in range(cb - 1, 0, -1))], -1)  # [T, H, D, code_bits]
+            o, hbit = fragment_maps(D, kv, cb)
             # L bytes
             lo = lay.l_offset(kv)
             row = inverse.view(-1, 1, 1).expand(-1, H, D)
@@ -425,7 +450,7 @@ class KVPageCodec:
             pos = lo + o[t_in].unsqueeze(1).expand(-1, H, -1)  # [T, H, D]
             work[row, hh, pos] = lbyte.to(torch.uint8)
             # hi bits: several values share a byte, so set them through a bit-level view of the plane
-            ho, hp = lay.h_offset(kv), plane_bytes(D)[1]
+            ho, hp = lay.h_offset(kv), plane_bytes(D, cb)[1]
             bits = hbit[t_in].unsqueeze(1).expand(-1, H, -1, -1)  # [T, H, D, 3]
             plane = work[:, :, ho : ho + hp].to(torch.int64)
             pbits = ((plane.unsqueeze(-1) >> torch.arange(8)) & 1).reshape(U, H, -1)
@@ -435,7 +460,7 @@ class KVPageCodec:
             t_i, h_i, d_i = esc.nonzero(as_tuple=True)  # token-major, then head, then channel
             self.stats.values += c.numel()
             self.stats.escapes += int(t_i.numel())
-            ent = o[t_in[t_i], d_i] | ((e[t_i, h_i, d_i] >> 3) << POS_BITS)
+            ent = o[t_in[t_i], d_i] | ((e[t_i, h_i, d_i] >> cb) << POS_BITS)
             entries_by_kv.append((inverse[t_i], h_i, t_in[t_i], d_i, ent))
         self._append_entries(work, overflow, utile, n_tot, n_in, entries_by_kv)
         cnt = torch.cat([n_tot, n_in], -1)
@@ -535,19 +560,23 @@ def decode_tiles(tiles: torch.Tensor, tile_ids: torch.Tensor, tops: torch.Tensor
     cnt = tiles[:, :, tr : tr + TRAILER].contiguous().view(torch.int16).to(torch.int64) & _U16  # [N, H, 4]
     lst = tiles[:, :, lay.list_offset : lay.list_offset + 2 * R].contiguous().view(torch.int16).to(
         torch.int64) & _U16  # [N, H, R]
+    cb = lay.code_bits
+    w, keep = window(cb), 0x8000 | ((window(cb) - 1) << 7) | 0x7F  # sign, c's place in the exponent, mantissa
     out = []
     for kv in (0, 1):
-        o, hbit = fragment_maps(D, kv)
+        o, hbit = fragment_maps(D, kv, cb)
         lo, ho = lay.l_offset(kv), lay.h_offset(kv)
         lb = tiles[:, :, lo + o.reshape(-1)].to(torch.int64).view(n, H, TILE, D)
-        hb = tiles[:, :, ho + (hbit // 8).reshape(-1)].to(torch.int64).view(n, H, TILE, D, 3)
-        hv = (hb >> (hbit % 8).view(1, 1, TILE, D, 3)) & 1
-        s, c = hv[..., 0], (hv[..., 1] << 2) | (hv[..., 2] << 1) | (lb >> 7)
-        e = tops[kv].to(torch.int64).view(1, H, 1, D) - (WINDOW - 1) + c
+        hb = tiles[:, :, ho + (hbit // 8).reshape(-1)].to(torch.int64).view(n, H, TILE, D, cb)
+        hv = (hb >> (hbit % 8).view(1, 1, TILE, D, cb)) & 1
+        s, c = hv[..., 0], lb >> 7
+        for f in range(1, cb):
+            c = c | (hv[..., f] << (cb - f))
+        e = tops[kv].to(torch.int64).view(1, H, 1, D) - (w - 1) + c
         bits = (s << 15) | (e << 7) | (lb & 0x7F)  # [N, H, 16, D]
-        scaled = ((s << 15) | ((PRESCALED + c) << 7) | (lb & 0x7F)).view(n, H, TILE * D)  # the kernel's value
+        scaled = ((s << 15) | ((prescaled(cb) + c) << 7) | (lb & 0x7F)).view(n, H, TILE * D)  # the kernel's value
         # escapes: the page's list (K from the start, V from the end), then the overflow run
-        n_tot, n_in = cnt[..., kv], cnt[..., 2 + kv]
+        n_tot, n_in = cnt[..., kv].clamp(max=TILE * D), cnt[..., 2 + kv]  # garbage counts of unwritten tiles
         slots = torch.arange(R)
         if kv == 1:
             slots = R - 1 - slots
@@ -571,7 +600,7 @@ def decode_tiles(tiles: torch.Tensor, tile_ids: torch.Tensor, tops: torch.Tensor
                 continue
             ni, hi_, ji = good.nonzero(as_tuple=True)
             ent = ents[ni, hi_, ji]
-            idx = inv[ent & ((1 << POS_BITS) - 1)]
-            flat[ni, hi_, idx] = (scaled[ni, hi_, idx] & 0x83FF) | ((ent >> POS_BITS) << 10)
+            idx = inv[(ent & ((1 << POS_BITS) - 1)) % (TILE * D)]  # in range even for a tile nobody wrote
+            flat[ni, hi_, idx] = (scaled[ni, hi_, idx] & keep) | ((ent >> POS_BITS) << (7 + cb))
         out.append(_u16(bits.view(n, H, TILE, D)).view(torch.bfloat16))
     return out[0], out[1]

@@ -1,6 +1,6 @@
 // Glyd KV page code v3 on NVIDIA GPUs (sm_80+): decode attention, the page writer and a tile reader.
-// Compiled at run time by NVRTC (kernels/nvrtc.py) with -D HEAD (64 or 128), GQ (query heads a KV head, <= 8),
-// RESERVE (escape-list entries a tile), TPP (tiles a page) and WARPS (warps a block).
+// Compiled at run time by NVRTC (kernels/nvrtc.py) with -D HEAD (64 or 128), CODE_BITS (3 or 4), GQ (query heads a
+// KV head, <= 8), RESERVE (escape-list entries a tile), TPP (tiles a page) and WARPS (warps a block).
 // The format is docs/format.md section 2 and glyd_engine/format/kv_page.py (the torch reference).
 //
 // Fragments (mma.sync.m16n8k16, bf16 in, fp32 accumulate); lane = 4 g + tig:
@@ -15,14 +15,22 @@ typedef unsigned short u16;
 typedef unsigned char u8;
 typedef unsigned long long u64;
 
+#ifndef CODE_BITS
+#define CODE_BITS 3
+#endif
 #define D HEAD
+#define CB CODE_BITS
 #define LP (16 * D)             // L plane bytes (one of K, V)
-#define HP (6 * D)              // hi plane bytes
-#define NW (3 * D / 64)         // hi words a lane
+#define HP (2 * CB * D)         // hi plane bytes
+#define NW (CB * D / 64)        // hi words a lane
 #define NLC (D / 32)            // 16-byte L chunks a lane
 #define NG (D / 8)              // groups of 4 values a lane
-#define C0 ((NW >= 4) ? 4 : 2)  // hi words in a lane's first chunk
-#define C1 (NW - C0)
+// a lane's hi words are stored in lane-major chunks of 4, 2 and 1 words (kv_page._word_offsets)
+#define W4 (NW / 4)             // 16-byte chunks
+#define W2 ((NW % 4) / 2)       // 8-byte chunks (0 or 1)
+#define W1 (NW % 2)             // 4-byte chunks (0 or 1)
+#define HCONST (CB == 3 ? 0x3C3C3C3Cu : 0x38383838u)  // the constant bits of H = sign << 7 | (128 - 2^CB + c) >> 1
+#define KEEP (CB == 3 ? 0x83FFu : 0x87FFu)            // sign, c's bits of the exponent, mantissa
 #define K_L 0
 #define V_L LP
 #define K_H (2 * LP)
@@ -41,6 +49,7 @@ typedef unsigned long long u64;
 #define NEG_INF (-__int_as_float(0x7f800000))
 
 static_assert(D == 64 || D == 128, "head size 64 or 128");
+static_assert(CB == 3 || CB == 4, "3- or 4-bit codes");
 static_assert(GQ >= 1 && GQ <= 8, "1..8 query heads a KV head");
 static_assert(TILE_BYTES % 16 == 0, "tiles are whole 16-byte units");
 
@@ -92,34 +101,52 @@ __device__ __forceinline__ void load_planes(Planes& p, const u8* t16, const u8* 
     uint4 v = ld16(t16 + l_off + c * 512);
     p.l[4 * c] = v.x; p.l[4 * c + 1] = v.y; p.l[4 * c + 2] = v.z; p.l[4 * c + 3] = v.w;
   }
-  if (C0 == 4) {
-    uint4 a = ld16(t16 + h_off);
-    p.h[0] = a.x; p.h[1] = a.y; p.h[2] = a.z; p.h[3] = a.w;
-  } else {
-    uint2 a = ld8(t8 + h_off);
-    p.h[0] = a.x; p.h[1] = a.y;
+#pragma unroll
+  for (int c = 0; c < W4; ++c) {
+    uint4 a = ld16(t16 + h_off + c * 512);
+    p.h[4 * c] = a.x; p.h[4 * c + 1] = a.y; p.h[4 * c + 2] = a.z; p.h[4 * c + 3] = a.w;
   }
-  if (C1 == 2) {
-    uint2 b = ld8(t8 + h_off + 128 * C0);
-    p.h[C0] = b.x; p.h[C0 + 1] = b.y;
-  } else {
-    p.h[C0] = ld4(t4 + h_off + 128 * C0);
+  if (W2) {
+    uint2 b = ld8(t8 + h_off + 512 * W4);
+    p.h[4 * W4] = b.x; p.h[4 * W4 + 1] = b.y;
   }
+  if (W1) p.h[NW - 1] = ld4(t4 + h_off + 512 * W4 + 256 * W2);
 }
 
+#if CB == 3
 // The four H bytes (sign << 7 | (120 + c) >> 1) of group q: groups 0-2 of each 8 unrotated, 3-5 rotated by 3,
 // 6 and 7 from the two bits a byte the others leave (docs/format.md). q is a compile-time constant after unrolling.
 __device__ __forceinline__ u32 hbytes(const u32 (&w)[NW], int q) {
   const int u = q >> 3, r = q & 7, b = 3 * u;
-  if (r < 3) return (w[b + r] & 0x83838383u) | 0x3C3C3C3Cu;
-  if (r < 6) return (rotr(w[b + r - 3], 3) & 0x83838383u) | 0x3C3C3C3Cu;
-  return ((rotr(w[b + r - 6], 6) & 0x81818181u) | (rotr(w[b + 2], r - 2) & 0x02020202u)) | 0x3C3C3C3Cu;
+  if (r < 3) return (w[b + r] & 0x83838383u) | HCONST;
+  if (r < 6) return (rotr(w[b + r - 3], 3) & 0x83838383u) | HCONST;
+  return ((rotr(w[b + r - 6], 6) & 0x81818181u) | (rotr(w[b + 2], r - 2) & 0x02020202u)) | HCONST;
 }
+// Group q's hi bits: (word, rotation) of the piece holding the sign and c's bit 1, and of the one holding bit 2.
+__device__ __forceinline__ void group_words(int q, int& wa, int& ra, int& wb, int& rb) {
+  const int u = q >> 3, r = q & 7;
+  wa = 3 * u + (r < 3 ? r : (r < 6 ? r - 3 : r - 6));
+  ra = r < 3 ? 0 : (r < 6 ? 3 : 6);
+  wb = r < 6 ? wa : 3 * u + 2;
+  rb = r < 6 ? ra : r - 2;
+}
+#else
+// The four H bytes (sign << 7 | (112 + c) >> 1) of group q: two groups a word, unrotated and rotated by 4.
+__device__ __forceinline__ u32 hbytes(const u32 (&w)[NW], int q) {
+  return (rotr(w[q >> 1], 4 * (q & 1)) & 0x87878787u) | HCONST;
+}
+__device__ __forceinline__ void group_words(int q, int& wa, int& ra, int& wb, int& rb) {
+  wa = wb = q >> 1;
+  ra = rb = 4 * (q & 1);
+}
+#endif
 
 // ---- escapes -----------------------------------------------------------------------------------------------------
 // Byte offset of lane ln's hi word w in the hi plane.
 __device__ __forceinline__ int hword_offset(int ln, int w) {
-  return w < C0 ? ln * 4 * C0 + 4 * w : 128 * C0 + ln * 4 * C1 + 4 * (w - C0);
+  if (w < 4 * W4) return (w >> 2) * 512 + ln * 16 + 4 * (w & 3);
+  if (W2 && w < 4 * W4 + 2) return 512 * W4 + ln * 8 + 4 * (w - 4 * W4);
+  return 512 * W4 + 256 * W2 + ln * 4;
 }
 
 struct Escape {
@@ -129,21 +156,22 @@ struct Escape {
 
 // Entry `e` (o | exponent >> 3 << 11) of K (kind 0) or V (kind 1) of `tile`.
 __device__ __forceinline__ Escape locate(const u8* tile, u32 e, int kind) {
-  const int o = e & 0x7FF;
+  const int o = e & (LP - 1);  // in the tile even for the garbage list of a tile nobody wrote
   const int ln = (o >> 4) & 31, q = ((o >> 9) << 2) | ((o >> 2) & 3), b = o & 3;
   const u32 L = tile[(kind ? V_L : K_L) + o];
-  const int u = q >> 3, r = q & 7;
-  const int wa = 3 * u + (r < 3 ? r : (r < 6 ? r - 3 : r - 6));
-  const int ra = r < 3 ? 0 : (r < 6 ? 3 : 6);
-  const int wb = r < 6 ? wa : 3 * u + 2;
-  const int rb = r < 6 ? ra : r - 2;
+  int wa, ra, wb, rb;
+  group_words(q, wa, ra, wb, rb);
   const u8* hp = tile + (kind ? V_H : K_H);
   const u32 A = rotr(ld4(hp + hword_offset(ln, wa)), ra);
+#if CB == 3
   const u32 B = rotr(ld4(hp + hword_offset(ln, wb)), rb);
   const u32 hb = (((A >> (8 * b)) & 0x81u) | ((B >> (8 * b)) & 0x02u)) | 0x3Cu;
+#else
+  const u32 hb = ((A >> (8 * b)) & 0x87u) | 0x38u;
+#endif
   Escape x;
   x.wrong = (hb << 8) | L;
-  x.truth = (x.wrong & 0x83FFu) | ((e >> 11) << 10);
+  x.truth = (x.wrong & KEEP) | ((e >> 11) << (7 + CB));
   const int g = ln >> 2, tig = ln & 3;
   if (kind == 0) {
     x.t = 8 * (q & 1) + g;
@@ -160,6 +188,7 @@ __device__ __forceinline__ u32 entry_at(const u8* tile, int i, int n_in, int kin
                                         const u16* arena, long gtile, int h, int num_kv_heads) {
   if (i < n_in) return ld2(tile + LIST + 2 * (kind ? RESERVE - 1 - i : i));
   const int p = __ldg(ovf_ptr + (gtile * num_kv_heads + h) * 2 + kind);
+  if (p < 0 || i - n_in >= (8 << (p & 15))) return 0u;  // only an unwritten tile's garbage counts get here
   return __ldg(arena + (long)(p >> 4) * 8 + (i - n_in));
 }
 
@@ -186,10 +215,9 @@ __device__ __forceinline__ void accumulate(float* row, int key, const float (&ad
 // combines its warps, and with several splits `kv_merge` combines the splits in a fixed order.
 // ================================================================================================================
 struct Smem {
-  float q[D][8];    // Q (fp32) [channel][head]
-  float qs[D][8];   // Q' as the MMA takes it (fp32 of the bf16)
+  u16 q[D][8];      // Q (bf16) [channel][head], heads >= GQ zero
+  u16 qs[D][8];     // Q' = Q 2^(top_k - 127) as the MMA takes it
   float vsc[D];     // 2^(top_v - 127): V' back to V
-  float scorr[WARPS][8][16];
   float pst[WARPS][8][16];
   float ocorr[WARPS][8][D];
   float wm[WARPS][8], wl[WARPS][8];
@@ -218,20 +246,19 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) kv_decode_a
       const float scaled = qv * pow2(int(tops[h * D + d]) - 127);
       qp = bf(pack_bf16(scaled, 0.f) & 0xFFFFu);
     }
-    sm.q[d][hh] = qv;
-    sm.qs[d][hh] = qp;
+    sm.q[d][hh] = u16(pack_bf16(qv, 0.f) & 0xFFFFu);
+    sm.qs[d][hh] = u16(pack_bf16(qp, 0.f) & 0xFFFFu);
   }
   for (int d = threadIdx.x; d < D; d += WARPS * 32) sm.vsc[d] = pow2(int(tops[(num_kv_heads + h) * D + d]) - 127);
   for (int i = lane; i < 8 * D; i += 32) (&sm.ocorr[warp][0][0])[i] = 0.f;
-  for (int i = lane; i < 8 * 16; i += 32) (&sm.scorr[warp][0][0])[i] = 0.f;
   __syncthreads();
 
   u32 qb0[D / 16], qb1[D / 16];  // Q'^T's B fragments: head g, channels 16ks + 2tig + {0, 1} and + {8, 9}
 #pragma unroll
   for (int ks = 0; ks < D / 16; ++ks) {
     const int c = 16 * ks + 2 * tig;
-    qb0[ks] = g < GQ ? pack_bf16(sm.qs[c][g], sm.qs[c + 1][g]) : 0u;
-    qb1[ks] = g < GQ ? pack_bf16(sm.qs[c + 8][g], sm.qs[c + 9][g]) : 0u;
+    qb0[ks] = u32(sm.qs[c][g]) | (u32(sm.qs[c + 1][g]) << 16);
+    qb1[ks] = u32(sm.qs[c + 8][g]) | (u32(sm.qs[c + 9][g]) << 16);
   }
 
   float o[D / 16][4];
@@ -274,6 +301,23 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) kv_decode_a
   auto process = [&](const Buf& cb, int tile) {
     const u8* tp = tile_ptr(cb.blk, tile);
     const long gtile = cb.blk * TPP + tile % TPP;
+    const int nk_tot = cb.tr.x & 0xFFFF, nv_tot = cb.tr.x >> 16, nk_in = cb.tr.y & 0xFFFF, nv_in = cb.tr.y >> 16;
+    u32 k_vals = 0u, k_where = 0xFFu;  // this lane's K entry: true | -decoded << 16; token | channel << 8
+    if (SKIP_ESCAPES != 1 && SKIP_ESCAPES != 3 && lane < nk_tot) {
+      const u32 e = lane < nk_in ? cb.ek : entry_at(tp, lane, nk_in, 0, ovf_ptr, arena, gtile, h, num_kv_heads);
+      const Escape x = locate(tp, e, 0);
+      k_vals = x.truth | ((x.wrong ^ 0x8000u) << 16);  // the decoded value enters negated
+      k_where = u32(x.t) | (u32(x.d) << 8);
+    }
+    int v_d = 0, v_t = 0;
+    float v_delta = 0.f;
+    if (SKIP_ESCAPES < 2 && lane < nv_tot) {  // this lane's V entry, located now: its loads overlap the K work
+      const u32 e = lane < nv_in ? cb.ev : entry_at(tp, lane, nv_in, 1, ovf_ptr, arena, gtile, h, num_kv_heads);
+      const Escape x = locate(tp, e, 1);
+      v_d = x.d;
+      v_t = x.t;
+      v_delta = bf(x.truth) - bf(x.wrong) * sm.vsc[x.d];
+    }
     // ---- S^T = K'·Q'^T over the tile's 16 tokens: st[c] = S[head 2tig + (c & 1)][token g + 8 (c >> 1)] ----
     float st[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
@@ -283,31 +327,45 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) kv_decode_a
       mma(st, prmt(L0, H0, 0x5140), prmt(L1, H1, 0x5140), prmt(L0, H0, 0x7362), prmt(L1, H1, 0x7362), qb0[ks],
           qb1[ks]);
     }
-    const int nk_tot = cb.tr.x & 0xFFFF, nv_tot = cb.tr.x >> 16, nk_in = cb.tr.y & 0xFFFF, nv_in = cb.tr.y >> 16;
-    if (SKIP_ESCAPES != 1 && SKIP_ESCAPES != 3 && nk_tot) {  // K escapes: S[h][t] += Q[h][d] K[t][d] - Q'[h][d] K'_decoded[t][d]
+    if (SKIP_ESCAPES != 1 && SKIP_ESCAPES != 3 && nk_tot) {
+      // K escapes: S^T[t][h] += sum_e [t_e = t] (K_e Q[h][d_e] - K'_e Q'[h][d_e]), as two MMAs a 16 entries whose A
+      // operands hold each entry's value in its token's row and whose B operands gather Q at the entries' channels.
       for (int base = 0; base < nk_tot; base += 32) {
         const int i = base + lane;
-        const bool ok = i < nk_tot;
-        float add[GQ];
-        int key = 16 + lane;  // lanes without an entry form groups of their own
-        if (ok) {
-          const u32 e = (i < 32 && i < nk_in) ? cb.ek : entry_at(tp, i, nk_in, 0, ovf_ptr, arena, gtile, h,
-                                                                 num_kv_heads);
-          const Escape x = locate(tp, e, 0);
-          const float kt = bf(x.truth), kw = bf(x.wrong);
-#pragma unroll
-          for (int hh = 0; hh < GQ; ++hh) add[hh] = sm.q[x.d][hh] * kt - sm.qs[x.d][hh] * kw;
-          key = x.t;
+        u32 vals = k_vals, where = k_where;  // token 0xFF: no entry
+        if (base > 0) {
+          vals = 0u;
+          where = 0xFFu;
+          if (i < nk_tot) {
+            const Escape x = locate(tp, entry_at(tp, i, nk_in, 0, ovf_ptr, arena, gtile, h, num_kv_heads), 0);
+            vals = x.truth | ((x.wrong ^ 0x8000u) << 16);
+            where = u32(x.t) | (u32(x.d) << 8);
+          }
         }
-        accumulate<16>(&sm.scorr[warp][0][0], key, add, ok, lane);
-      }
+        for (int c = 0; c < 2 && base + 16 * c < nk_tot; ++c) {
+          u32 tv[4], wv[4], qv[4], sv[4];
 #pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        float& r = sm.scorr[warp][2 * tig + (c & 1)][g + 8 * (c >> 1)];
-        st[c] += r;
-        r = 0.f;
+          for (int j = 0; j < 4; ++j) {  // entries 16c + 2tig + {0, 1, 8, 9}
+            const int src = 16 * c + 2 * tig + (j & 1) + 8 * (j >> 1);
+            const u32 vv = __shfl_sync(FULL, vals, src), ww = __shfl_sync(FULL, where, src);
+            const u32 t = ww & 0xFFu, d = ww >> 8;
+            tv[j] = vv;
+            wv[j] = t;
+            qv[j] = t == 0xFFu ? 0u : sm.q[d][g];
+            sv[j] = t == 0xFFu ? 0u : sm.qs[d][g];
+          }
+          u32 ta[4], wa[4];
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {  // a0..a3: rows g (r even) / g + 8 (r odd), entries {0,1} (r < 2) / {2,3}
+            const int j0 = 2 * (r >> 1), row = g + 8 * (r & 1);
+            const u32 lo = wv[j0] == u32(row) ? tv[j0] : 0u, hi = wv[j0 + 1] == u32(row) ? tv[j0 + 1] : 0u;
+            ta[r] = prmt(lo, hi, 0x5410);
+            wa[r] = prmt(lo, hi, 0x7632);
+          }
+          mma(st, ta[0], ta[1], ta[2], ta[3], qv[0] | (qv[1] << 16), qv[2] | (qv[3] << 16));
+          mma(st, wa[0], wa[1], wa[2], wa[3], sv[0] | (sv[1] << 16), sv[2] | (sv[3] << 16));
+        }
       }
-      __syncwarp();
     }
 
     // ---- online softmax (log2 domain), rescaled only when a head's max grows by more than 2^8 ----
@@ -372,21 +430,24 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) kv_decode_a
       for (int base = 0; base < nv_tot; base += 32) {
         const int i = base + lane;
         const bool ok = i < nv_tot;
-        float add[GQ];
-        int key = D + lane;
-        if (ok) {
-          const u32 e = (i < 32 && i < nv_in) ? cb.ev : entry_at(tp, i, nv_in, 1, ovf_ptr, arena, gtile, h,
-                                                                 num_kv_heads);
-          const Escape x = locate(tp, e, 1);
-          const float delta = bf(x.truth) - bf(x.wrong) * sm.vsc[x.d];
-#pragma unroll
-          for (int hh = 0; hh < GQ; ++hh) add[hh] = sm.pst[warp][hh][x.t] * delta;
+        int key = D + lane, t = 0;
+        float delta = 0.f;
+        if (base == 0) {
+          key = ok ? v_d : key;
+          t = v_t;
+          delta = v_delta;
+        } else if (ok) {
+          const Escape x = locate(tp, entry_at(tp, i, nv_in, 1, ovf_ptr, arena, gtile, h, num_kv_heads), 1);
           key = x.d;
+          t = x.t;
+          delta = bf(x.truth) - bf(x.wrong) * sm.vsc[x.d];
         }
+        float add[GQ];
+#pragma unroll
+        for (int hh = 0; hh < GQ; ++hh) add[hh] = sm.pst[warp][hh][t] * delta;
         accumulate<D>(&sm.ocorr[warp][0][0], key, add, ok, lane);
       }
       ocorr_used = true;
-      __syncwarp();
     }
   };
 
@@ -509,7 +570,7 @@ extern "C" __global__ void __launch_bounds__(32) kv_read_tiles(
       }
     }
     __syncwarp();
-    const int n_tot = kind ? tr.x >> 16 : tr.x & 0xFFFF, n_in = kind ? tr.y >> 16 : tr.y & 0xFFFF;
+    const int n_tot = min(16 * D, int(kind ? tr.x >> 16 : tr.x & 0xFFFF)), n_in = kind ? tr.y >> 16 : tr.y & 0xFFFF;
     for (int i = lane; i < n_tot; i += 32) {
       const Escape x = locate(tp, entry_at(tp, i, n_in, kind, ovf_ptr, arena, gtile, h, num_kv_heads), kind);
       dst[x.t * D + x.d] = u16(x.truth);
@@ -585,19 +646,22 @@ extern "C" __global__ void __launch_bounds__(WTHREADS) kv_write(
     if (t < t0 || t >= t0 + n) continue;
     int ln, q, b;
     lane_q_b(kind, t, d, ln, q, b);
-    const int u = q >> 3, r = q & 7;
-    const int wa = 3 * u + (r < 3 ? r : (r < 6 ? r - 3 : r - 6));
-    const int ra = r < 3 ? 0 : (r < 6 ? 3 : 6);
-    const int pa = (8 * b + 7 + ra) & 31, pc1 = (8 * b + ra) & 31;  // sign, c >> 1 & 1
-    const int wb = r < 6 ? wa : 3 * u + 2, rb = r < 6 ? ra : r - 2;
-    const int pc2 = (8 * b + 1 + rb) & 31;                          // c >> 2
+    int wa, ra, wb, rb;
+    group_words(q, wa, ra, wb, rb);
+    u32 amask = 0u, bmask = 0u;  // the value's hi bits in word wa and in word wb
+#if CB == 3
+    amask = (1u << ((8 * b + 7 + ra) & 31)) | (1u << ((8 * b + ra) & 31));
+    bmask = 1u << ((8 * b + 1 + rb) & 31);
+#else
+    amask = rotr(0x87u << (8 * b), 32 - ra);  // bits 8b + {7, 2, 1, 0} before the rotation by ra
+#endif
     u32* hwk = sm.hw[kind];
     if (whole) {
       hwk[hword_offset(ln, wa) / 4] = 0u;  // every word is rewritten whole
       hwk[hword_offset(ln, wb) / 4] = 0u;
     } else {
-      atomicAnd(&hwk[hword_offset(ln, wa) / 4], ~((1u << pa) | (1u << pc1)));
-      atomicAnd(&hwk[hword_offset(ln, wb) / 4], ~(1u << pc2));
+      atomicAnd(&hwk[hword_offset(ln, wa) / 4], ~amask);
+      if (bmask) atomicAnd(&hwk[hword_offset(ln, wb) / 4], ~bmask);
     }
   }
   __syncthreads();
@@ -608,25 +672,28 @@ extern "C" __global__ void __launch_bounds__(WTHREADS) kv_write(
                           : key + (long)(i0 + t - t0) * k_stride0 + (long)h * k_stride1;
     const u32 bits = src[d];
     const int e = (bits >> 7) & 0xFF, s = bits >> 15, m = bits & 0x7F;
-    const int low = int(tops[(kind * num_kv_heads + h) * D + d]) - 7;
+    const int low = int(tops[(kind * num_kv_heads + h) * D + d]) - ((1 << CB) - 1);
     int c = e - low;
-    const bool esc = c < 0 || c > 7;
-    if (esc) c = e & 7;
+    const bool esc = c < 0 || c >= (1 << CB);
+    if (esc) c = e & ((1 << CB) - 1);
     int ln, q, b;
     lane_q_b(kind, t, d, ln, q, b);
     const int o = (q >> 2) * 512 + ln * 16 + (q & 3) * 4 + b;
     sm.l[kind][o] = u8(((c & 1) << 7) | m);
-    const int u = q >> 3, r = q & 7;
-    const int wa = 3 * u + (r < 3 ? r : (r < 6 ? r - 3 : r - 6));
-    const int ra = r < 3 ? 0 : (r < 6 ? 3 : 6);
-    const int wb = r < 6 ? wa : 3 * u + 2, rb = r < 6 ? ra : r - 2;
+    int wa, ra, wb, rb;
+    group_words(q, wa, ra, wb, rb);
+#if CB == 3
     const u32 abits = (u32(s) << ((8 * b + 7 + ra) & 31)) | (u32((c >> 1) & 1) << ((8 * b + ra) & 31));
     const u32 bbits = u32((c >> 2) & 1) << ((8 * b + 1 + rb) & 31);
+#else
+    const u32 abits = rotr((u32(s) << 7 | u32(c >> 1)) << (8 * b), 32 - ra);
+    const u32 bbits = 0u;
+#endif
     if (abits) atomicOr(&sm.hw[kind][hword_offset(ln, wa) / 4], abits);
     if (bbits) atomicOr(&sm.hw[kind][hword_offset(ln, wb) / 4], bbits);
     sm.esc[kind][t][d] = esc;
     if (esc) {
-      sm.ent[kind][t][d] = u16(o | ((e >> 3) << 11));
+      sm.ent[kind][t][d] = u16(o | ((e >> CB) << 11));
       atomicAdd(&sm.cnt[kind][t], 1);
     }
   }

@@ -28,12 +28,12 @@ def model_like(n: int, h: int, d: int, g: torch.Generator) -> tuple[torch.Tensor
     return k.to(torch.bfloat16), v.to(torch.bfloat16)
 
 
-def tops_for(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def tops_for(k: torch.Tensor, v: torch.Tensor, code_bits: int = 3) -> torch.Tensor:
     counts = []
     for x in (k, v):
         e = (x.view(torch.int16).to(torch.int32) >> 7) & 0xFF
         counts.append(torch.nn.functional.one_hot(e.to(torch.int64), 256).sum(0))
-    return kp.best_windows(torch.stack(counts))  # [2, H, D]
+    return kp.best_windows(torch.stack(counts), code_bits)  # [2, H, D]
 
 
 def slots_for(lens: list[int], block_size: int, blocks: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -61,22 +61,24 @@ def write_both(codec: kp.KVPageCodec, cache_cpu: torch.Tensor, cache_gpu: torch.
         i += r
 
 
+@pytest.mark.parametrize("code_bits", [3, 4])
 @pytest.mark.parametrize("d,h,block,reserve,kind", [
     (128, 8, 16, 68, "model"), (64, 3, 32, 36, "model"), (128, 2, 16, 4, "patterns"), (64, 2, 16, 4, "patterns")])
-def test_writer_bytes_and_reader_bits_equal_the_reference(d: int, h: int, block: int, reserve: int, kind: str) -> None:
+def test_writer_bytes_and_reader_bits_equal_the_reference(d: int, h: int, block: int, reserve: int, kind: str,
+                                                         code_bits: int) -> None:
     from kernels import kv_cuda
 
     g = torch.Generator().manual_seed(d + h + reserve)
     if kind == "model":
         k, v = model_like(700, h, d, g)
-        tops = tops_for(k[:200], v[:200])
+        tops = tops_for(k[:200], v[:200], code_bits)
     else:  # every bf16 pattern, against windows that most of them miss: the overflow path
         x = all_patterns()[torch.randperm(65536, generator=g)]
         n = 65536 // (h * d)
         k, v = x[: n * h * d].reshape(n, h, d), x.flip(0)[: n * h * d].reshape(n, h, d)
         tops = torch.randint(100, 150, (2, h, d), generator=g).to(torch.uint8)
     n = k.shape[0]
-    lay = kp.KVPageLayout(d, block, reserve)
+    lay = kp.KVPageLayout(d, block, reserve, code_bits)
     codec = kp.KVPageCodec(lay, tops)
     nb = math.ceil(n / block) + 3
     blocks = torch.randperm(nb, generator=g)[: math.ceil(n / block)]
@@ -111,16 +113,18 @@ def reference_attention(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.
     return torch.stack(out).float()
 
 
+@pytest.mark.parametrize("code_bits", [3, 4])
 @pytest.mark.parametrize("d,h,group,reserve", [(128, 8, 4, 68), (64, 3, 3, 36), (128, 2, 8, 12), (64, 4, 1, 4)])
-def test_decode_attention_matches_fp32_and_repeats_its_bits(d: int, h: int, group: int, reserve: int) -> None:
+def test_decode_attention_matches_fp32_and_repeats_its_bits(d: int, h: int, group: int, reserve: int,
+                                                           code_bits: int) -> None:
     from kernels import kv_cuda
 
     g = torch.Generator().manual_seed(7 * d + group)
     lens = [1, 15, 16, 17, 300, 1500, 4100]
     block = 16
     k, v = model_like(sum(lens), h, d, g)
-    tops = tops_for(k[:300], v[:300])
-    lay = kp.KVPageLayout(d, block, reserve)
+    tops = tops_for(k[:300], v[:300], code_bits)
+    lay = kp.KVPageLayout(d, block, reserve, code_bits)
     nb = sum(math.ceil(n / block) for n in lens) + 5
     blocks = torch.randperm(nb, generator=g)
     per_seq, table = slots_for(lens, block, blocks)
