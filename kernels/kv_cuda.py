@@ -18,7 +18,8 @@ from kernels import nvrtc
 SOURCE = "kv_pages.cu"
 WARPS = 4  # warps a decode block, each with its own share of the block's tiles
 TARGET_BLOCKS = 4 * 132  # enough decode blocks to fill an H200 (132 multiprocessors) a few times over
-MIN_TILES_A_WARP = 4  # a context split gives each warp at least this many tiles
+MIN_TILES_A_WARP = 4  # a context split gives each warp at least this many tiles, unless the grid would be too small
+SMS = 132  # H200 multiprocessors: a decode grid of fewer blocks than this is latency-bound
 MAX_SPLITS = 64
 KERNELS = ("kv_decode_attention", "kv_merge", "kv_read_tiles", "kv_write", "kv_sizes")
 
@@ -76,6 +77,8 @@ def num_splits_for(batch: int, num_kv_heads: int, max_seq_len: int) -> int:
     tiles = math.ceil(max(1, max_seq_len) / TILE)
     want = math.ceil(TARGET_BLOCKS / max(1, batch * num_kv_heads))
     cap = max(1, tiles // (WARPS * MIN_TILES_A_WARP))
+    if batch * num_kv_heads * cap < SMS:  # a few short sequences: split down to a tile a warp to fill the GPU
+        cap = max(1, min(tiles // WARPS, math.ceil(SMS / max(1, batch * num_kv_heads))))
     return int(max(1, min(want, cap, MAX_SPLITS)))
 
 
@@ -138,6 +141,13 @@ def read_tiles(cache: torch.Tensor, layout: KVPageLayout, tops: torch.Tensor, ti
     return k, v
 
 
+def _aligned(x: torch.Tensor) -> torch.Tensor:
+    """The writer reads a token's head row as 16-byte vectors: rows must start 16-byte aligned."""
+    if x.data_ptr() % 16 or x.stride(0) % 8 or x.stride(1) % 8:
+        return x.clone(memory_format=torch.contiguous_format)
+    return x
+
+
 def write(cache: torch.Tensor, layout: KVPageLayout, tops: torch.Tensor, overflow: OverflowStore,
           key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> int:
     """Append the step's K/V [T, H, D] bf16 at `slots` (int64; -1 padding); a tile's tokens must be consecutive
@@ -149,14 +159,16 @@ def write(cache: torch.Tensor, layout: KVPageLayout, tops: torch.Tensor, overflo
     if key.shape[1:] != (h, layout.head_size) or key.dtype != torch.bfloat16 or key.stride(2) != 1:
         raise ValueError("key/value must be bf16 [T, H, D] with contiguous head dims")
     ks, _, smem = kernels(layout, 1, cache.device)
+    key, value = _aligned(key), _aligned(value)
     sl = slots.to(torch.int64).contiguous()
     need = torch.zeros(t, h, 2, dtype=torch.int32, device=cache.device)
     rounds = 0
     only = 0
     while True:
         ptr, arena = _overflow_args(overflow, cache.device)
-        ks["kv_write"]((t, h), (128,), [cache, key, value, sl, tops, ptr, arena, need, t, h, key.stride(0),
-                                        key.stride(1), value.stride(0), value.stride(1), only], smem=smem)
+        ks["kv_write"]((math.ceil(t / TILE), h), (128,), [
+            cache, key, value, sl, tops, ptr, arena, need, t, h, key.stride(0), key.stride(1), value.stride(0),
+            value.stride(1), only], smem=smem)
         if not bool(need.any()):  # the overflow runs were long enough (one host sync)
             return rounds
         rounds += 1

@@ -580,10 +580,11 @@ extern "C" __global__ void __launch_bounds__(32) kv_read_tiles(
 
 // ================================================================================================================
 // Page writer: appends the step's K/V [T, H, D] at `slots` (block * 16 * TPP + offset; -1 padding). A tile's tokens
-// must be consecutive in the call and in position order (vLLM's slot mapping is). Grid (T, KV heads), 128 threads:
-// the block whose token starts a tile run writes that run. Entries past the list go to the tile's overflow run;
-// if it is missing or short, the block writes the tile's bytes but not its counts and records the entries it
-// needs in `need[token, head, kind]`, so the caller can grow the run and run the writer again with `only_needy` set.
+// must be consecutive in the call and in position order (vLLM's slot mapping is); K/V rows 16-byte aligned. Grid
+// (ceil(T / 16), KV heads), 128 threads: block b writes the tile runs whose first token is one of tokens 16b..16b+15.
+// Entries past the list go to the tile's overflow run; if it is missing or short, the block writes the tile's bytes
+// but not its counts and records the entries it needs in `need[token, head, kind]`, so the caller can grow the run
+// and run the writer again with `only_needy` set.
 // ================================================================================================================
 #define WTHREADS 128
 struct WSmem {
@@ -594,6 +595,7 @@ struct WSmem {
   int cnt[2][16];                    // escapes a (kind, token)
   int item_base[32], kind_base[32];  // prefix over (token, kind) items: all entries, entries of that kind
   int in_page[2];
+  u32 leaders;                       // the block's tokens that start a tile run
 };
 
 __device__ __forceinline__ void lane_q_b(int kind, int t, int d, int& ln, int& q, int& b) {
@@ -608,98 +610,99 @@ __device__ __forceinline__ void lane_q_b(int kind, int t, int d, int& ln, int& q
   }
 }
 
-extern "C" __global__ void __launch_bounds__(WTHREADS) kv_write(
-    u8* __restrict__ cache, const u16* __restrict__ key, const u16* __restrict__ value,
-    const long long* __restrict__ slots, const u8* __restrict__ tops, const int* __restrict__ ovf_ptr,
-    u16* __restrict__ arena, int* __restrict__ need, int num_tokens, int num_kv_heads, int k_stride0, int k_stride1,
-    int v_stride0, int v_stride1, int only_needy) {
-  extern __shared__ __align__(16) u8 wsmem_raw[];
-  WSmem& sm = *reinterpret_cast<WSmem*>(wsmem_raw);
-  const int i0 = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
+// Value (kind, t, d)'s hi bits: their masks in word wa and word wb (zero for the 4-bit code), and its bits there.
+__device__ __forceinline__ void hi_bits(int kind, int t, int d, int s, int c, int& ln, int& q, int& b, int& wa,
+                                        int& wb, u32& amask, u32& bmask, u32& abits, u32& bbits) {
+  lane_q_b(kind, t, d, ln, q, b);
+  int ra, rb;
+  group_words(q, wa, ra, wb, rb);
+#if CB == 3
+  const int pa = (8 * b + 7 + ra) & 31, p1 = (8 * b + ra) & 31, p2 = (8 * b + 1 + rb) & 31;
+  amask = (1u << pa) | (1u << p1);
+  bmask = 1u << p2;
+  abits = (u32(s) << pa) | (u32((c >> 1) & 1) << p1);
+  bbits = u32((c >> 2) & 1) << p2;
+#else
+  amask = rotr(0x87u << (8 * b), 32 - ra);  // bits 8b + {7, 2, 1, 0} before the rotation by ra
+  bmask = 0u;
+  abits = rotr((u32(s) << 7 | u32(c >> 1)) << (8 * b), 32 - ra);
+  bbits = 0u;
+#endif
+}
+
+__device__ void write_run(WSmem& sm, u8* __restrict__ cache, const u16* __restrict__ key,
+                          const u16* __restrict__ value, const long long* __restrict__ slots,
+                          const u8* __restrict__ tops, const int* __restrict__ ovf_ptr, u16* __restrict__ arena,
+                          int* __restrict__ need, int i0, int h, int num_tokens, int num_kv_heads, int k_stride0,
+                          int k_stride1, int v_stride0, int v_stride1, int only_needy) {
+  const int tid = threadIdx.x;
   const long s0 = slots[i0];
-  if (s0 < 0) return;
   const long gtile = s0 / 16;
-  if (i0 > 0) {
-    const long sp = slots[i0 - 1];
-    if (sp >= 0 && sp / 16 == gtile) return;  // not the first token of its run
-  }
-  if (only_needy && need[((long)i0 * num_kv_heads + h) * 2] == 0 && need[((long)i0 * num_kv_heads + h) * 2 + 1] == 0)
-    return;
+  const bool needy = need[((long)i0 * num_kv_heads + h) * 2] != 0 || need[((long)i0 * num_kv_heads + h) * 2 + 1] != 0;
+  if (only_needy && !needy) return;  // uniform over the block
   const int t0 = int(s0 % 16);
   int n = 1;
   while (n < 16 - t0 && i0 + n < num_tokens && slots[i0 + n] == s0 + n) ++n;
   u8* tp = cache + ((gtile / TPP) * num_kv_heads + h) * (long)PAGE_BYTES + (gtile % TPP) * TILE_BYTES;
   const bool whole = t0 == 0 && n == 16;
 
-  // old planes (a run that does not cover the whole tile keeps the other tokens' bytes and bits)
+  // the planes: a run that does not cover the whole tile keeps the other tokens' bytes and bits
   if (!whole) {
     for (int i = tid; i < 2 * LP / 16; i += WTHREADS)
       reinterpret_cast<uint4*>(&sm.l[0][0])[i] = reinterpret_cast<const uint4*>(tp)[i];
     for (int i = tid; i < 2 * HP / 16; i += WTHREADS)
       reinterpret_cast<uint4*>(&sm.hw[0][0])[i] = reinterpret_cast<const uint4*>(tp + K_H)[i];
+  } else {
+    for (int i = tid; i < 2 * HP / 16; i += WTHREADS) reinterpret_cast<uint4*>(&sm.hw[0][0])[i] = make_uint4(0, 0, 0, 0);
   }
   for (int i = tid; i < 32; i += WTHREADS) sm.cnt[i >> 4][i & 15] = 0;
   __syncthreads();
-  // clear the run's hi bits (whole tiles: everything)
-  for (int i = tid; i < 2 * 16 * D; i += WTHREADS) {
-    const int kind = i / (16 * D), t = (i / D) % 16, d = i % D;
-    if (t < t0 || t >= t0 + n) continue;
-    int ln, q, b;
-    lane_q_b(kind, t, d, ln, q, b);
-    int wa, ra, wb, rb;
-    group_words(q, wa, ra, wb, rb);
-    u32 amask = 0u, bmask = 0u;  // the value's hi bits in word wa and in word wb
-#if CB == 3
-    amask = (1u << ((8 * b + 7 + ra) & 31)) | (1u << ((8 * b + ra) & 31));
-    bmask = 1u << ((8 * b + 1 + rb) & 31);
-#else
-    amask = rotr(0x87u << (8 * b), 32 - ra);  // bits 8b + {7, 2, 1, 0} before the rotation by ra
-#endif
-    u32* hwk = sm.hw[kind];
-    if (whole) {
-      hwk[hword_offset(ln, wa) / 4] = 0u;  // every word is rewritten whole
-      hwk[hword_offset(ln, wb) / 4] = 0u;
-    } else {
-      atomicAnd(&hwk[hword_offset(ln, wa) / 4], ~amask);
-      if (bmask) atomicAnd(&hwk[hword_offset(ln, wb) / 4], ~bmask);
+  if (!whole) {  // clear the run's hi bits
+    for (int i = tid; i < 2 * n * D; i += WTHREADS) {
+      const int kind = i / (n * D), t = t0 + (i / D) % n, d = i % D;
+      int ln, q, b, wa, wb;
+      u32 amask, bmask, abits, bbits;
+      hi_bits(kind, t, d, 0, 0, ln, q, b, wa, wb, amask, bmask, abits, bbits);
+      atomicAnd(&sm.hw[kind][hword_offset(ln, wa) / 4], ~amask);
+      if (bmask) atomicAnd(&sm.hw[kind][hword_offset(ln, wb) / 4], ~bmask);
     }
+    __syncthreads();
   }
-  __syncthreads();
-  // encode the run's values
-  for (int i = tid; i < 2 * n * D; i += WTHREADS) {
-    const int kind = i / (n * D), t = t0 + (i / D) % n, d = i % D;
+  // encode the run's values, 8 channels (16 bytes of bf16) a thread at a time
+  for (int i = tid; i < 2 * n * (D / 8); i += WTHREADS) {
+    const int kind = i / (n * (D / 8)), t = t0 + (i / (D / 8)) % n, d0 = 8 * (i % (D / 8));
     const u16* src = kind ? value + (long)(i0 + t - t0) * v_stride0 + (long)h * v_stride1
                           : key + (long)(i0 + t - t0) * k_stride0 + (long)h * k_stride1;
-    const u32 bits = src[d];
-    const int e = (bits >> 7) & 0xFF, s = bits >> 15, m = bits & 0x7F;
-    const int low = int(tops[(kind * num_kv_heads + h) * D + d]) - ((1 << CB) - 1);
-    int c = e - low;
-    const bool esc = c < 0 || c >= (1 << CB);
-    if (esc) c = e & ((1 << CB) - 1);
-    int ln, q, b;
-    lane_q_b(kind, t, d, ln, q, b);
-    const int o = (q >> 2) * 512 + ln * 16 + (q & 3) * 4 + b;
-    sm.l[kind][o] = u8(((c & 1) << 7) | m);
-    int wa, ra, wb, rb;
-    group_words(q, wa, ra, wb, rb);
-#if CB == 3
-    const u32 abits = (u32(s) << ((8 * b + 7 + ra) & 31)) | (u32((c >> 1) & 1) << ((8 * b + ra) & 31));
-    const u32 bbits = u32((c >> 2) & 1) << ((8 * b + 1 + rb) & 31);
-#else
-    const u32 abits = rotr((u32(s) << 7 | u32(c >> 1)) << (8 * b), 32 - ra);
-    const u32 bbits = 0u;
-#endif
-    if (abits) atomicOr(&sm.hw[kind][hword_offset(ln, wa) / 4], abits);
-    if (bbits) atomicOr(&sm.hw[kind][hword_offset(ln, wb) / 4], bbits);
-    sm.esc[kind][t][d] = esc;
-    if (esc) {
-      sm.ent[kind][t][d] = u16(o | ((e >> CB) << 11));
-      atomicAdd(&sm.cnt[kind][t], 1);
+    const uint4 raw = *reinterpret_cast<const uint4*>(src + d0);
+    const u32 words[4] = {raw.x, raw.y, raw.z, raw.w};
+    const uint2 tw = *reinterpret_cast<const uint2*>(tops + (kind * num_kv_heads + h) * D + d0);
+    const u32 topw[2] = {tw.x, tw.y};
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int d = d0 + j;
+      const u32 bits = (words[j >> 1] >> (16 * (j & 1))) & 0xFFFFu;
+      const int e = (bits >> 7) & 0xFF, s = bits >> 15, m = bits & 0x7F;
+      const int low = int((topw[j >> 2] >> (8 * (j & 3))) & 0xFFu) - ((1 << CB) - 1);
+      int c = e - low;
+      const bool esc = c < 0 || c >= (1 << CB);
+      if (esc) c = e & ((1 << CB) - 1);
+      int ln, q, b, wa, wb;
+      u32 amask, bmask, abits, bbits;
+      hi_bits(kind, t, d, s, c, ln, q, b, wa, wb, amask, bmask, abits, bbits);
+      const int o = (q >> 2) * 512 + ln * 16 + (q & 3) * 4 + b;
+      sm.l[kind][o] = u8(((c & 1) << 7) | m);
+      if (abits) atomicOr(&sm.hw[kind][hword_offset(ln, wa) / 4], abits);
+      if (bbits) atomicOr(&sm.hw[kind][hword_offset(ln, wb) / 4], bbits);
+      sm.esc[kind][t][d] = esc;
+      if (esc) {
+        sm.ent[kind][t][d] = u16(o | ((e >> CB) << 11));
+        atomicAdd(&sm.cnt[kind][t], 1);
+      }
     }
   }
   __syncthreads();
   // entries: in token order, K's before V's, channel order within; the list takes them while it has room
-  const uint2 tr = whole || t0 == 0 ? make_uint2(0, 0) : *reinterpret_cast<const uint2*>(tp + TR);
+  const uint2 tr = t0 == 0 ? make_uint2(0, 0) : *reinterpret_cast<const uint2*>(tp + TR);
   const int ntot[2] = {int(tr.x & 0xFFFF), int(tr.x >> 16)}, nin[2] = {int(tr.y & 0xFFFF), int(tr.y >> 16)};
   const int free_slots = (ntot[0] != nin[0] || ntot[1] != nin[1]) ? 0 : RESERVE - nin[0] - nin[1];
   if (tid < 32) {  // item it = 2 (t - t0) + kind, in the order entries are given slots
@@ -718,8 +721,7 @@ extern "C" __global__ void __launch_bounds__(WTHREADS) kv_write(
     }
     sm.item_base[it] = all - c;
     sm.kind_base[it] = own - c;
-    // the list takes the entries whose rank over all is below free_slots
-    const int inp = max(0, min(c, free_slots - (all - c)));
+    const int inp = max(0, min(c, free_slots - (all - c)));  // this item's entries that fit in the list
     int ik = kind == 0 ? inp : 0, iv = kind == 1 ? inp : 0;
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) {
@@ -737,6 +739,7 @@ extern "C" __global__ void __launch_bounds__(WTHREADS) kv_write(
     const int warp = tid >> 5, lane = tid & 31;
     for (int it = warp; it < 2 * n; it += WTHREADS / 32) {
       const int t = t0 + (it >> 1), kind = it & 1;
+      if (sm.cnt[kind][t] == 0) continue;  // uniform over the warp
       int seen = 0;
       for (int c0 = 0; c0 < D; c0 += 32) {
         const int d = c0 + lane;
@@ -775,6 +778,35 @@ extern "C" __global__ void __launch_bounds__(WTHREADS) kv_write(
     nt.y = u32(nin[0] + sm.in_page[0]) | (u32(nin[1] + sm.in_page[1]) << 16);
     *reinterpret_cast<uint2*>(tp + TR) = nt;
     if (only_needy) need[((long)i0 * num_kv_heads + h) * 2] = need[((long)i0 * num_kv_heads + h) * 2 + 1] = 0;
+  }
+  __syncthreads();  // the shared planes are the next run's
+}
+
+extern "C" __global__ void __launch_bounds__(WTHREADS) kv_write(
+    u8* __restrict__ cache, const u16* __restrict__ key, const u16* __restrict__ value,
+    const long long* __restrict__ slots, const u8* __restrict__ tops, const int* __restrict__ ovf_ptr,
+    u16* __restrict__ arena, int* __restrict__ need, int num_tokens, int num_kv_heads, int k_stride0, int k_stride1,
+    int v_stride0, int v_stride1, int only_needy) {
+  extern __shared__ __align__(16) u8 wsmem_raw[];
+  WSmem& sm = *reinterpret_cast<WSmem*>(wsmem_raw);
+  const int h = blockIdx.y, first = 16 * blockIdx.x;
+  if (threadIdx.x < 32) {  // which of the block's 16 tokens start a tile run
+    const int i = first + threadIdx.x;
+    bool lead = false;
+    if (threadIdx.x < 16 && i < num_tokens) {
+      const long si = slots[i];
+      lead = si >= 0 && (i == 0 || slots[i - 1] < 0 || slots[i - 1] / 16 != si / 16);
+    }
+    const u32 mask = __ballot_sync(FULL, lead);
+    if (threadIdx.x == 0) sm.leaders = mask;
+  }
+  __syncthreads();
+  u32 leaders = sm.leaders;
+  while (leaders) {
+    const int j = __ffs(leaders) - 1;
+    leaders &= leaders - 1;
+    write_run(sm, cache, key, value, slots, tops, ovf_ptr, arena, need, first + j, h, num_tokens, num_kv_heads,
+              k_stride0, k_stride1, v_stride0, v_stride1, only_needy);
   }
 }
 

@@ -50,14 +50,19 @@ def slots_for(lens: list[int], block_size: int, blocks: torch.Tensor) -> tuple[l
 
 
 def write_both(codec: kp.KVPageCodec, cache_cpu: torch.Tensor, cache_gpu: torch.Tensor, ovf_cpu, ovf_gpu,
-               tops_gpu, k, v, slots, runs) -> None:
+               tops_gpu, k, v, slots, runs, strided: bool = False) -> None:
+    """The same runs through the reference and the CUDA writer; `strided`: the CUDA writer reads K and V as views
+    into wider rows (as vLLM hands them, sliced out of the qkv projection), one of them misaligned."""
     from kernels import kv_cuda
 
     i = 0
     for r in runs:
         codec.write(cache_cpu, ovf_cpu, k[i : i + r], v[i : i + r], slots[i : i + r])
-        kv_cuda.write(cache_gpu, codec.layout, tops_gpu, ovf_gpu, k[i : i + r].to(DEV), v[i : i + r].to(DEV),
-                      slots[i : i + r].to(DEV))
+        kg, vg = k[i : i + r].to(DEV), v[i : i + r].to(DEV)
+        if strided:
+            kg = torch.cat([kg, kg], dim=-1)[..., : kg.shape[-1]]
+            vg = torch.cat([vg.new_zeros(vg.shape[0], vg.shape[1], 1), vg], dim=-1)[..., 1:]
+        kv_cuda.write(cache_gpu, codec.layout, tops_gpu, ovf_gpu, kg, vg, slots[i : i + r].to(DEV))
         i += r
 
 
@@ -86,12 +91,12 @@ def test_writer_bytes_and_reader_bits_equal_the_reference(d: int, h: int, block:
     slots = blocks[t // block] * block + t % block
     tops_gpu = tops.to(DEV)
     splits = ([n], [1] * 40 + [n - 40], [13, 1, 1, 30, n - 45])
-    for runs in splits:
+    for j, runs in enumerate(splits):
         cache_cpu = torch.randint(0, 256, (nb, h, lay.page_bytes), dtype=torch.uint8, generator=g)  # stale bytes
         cache_gpu = cache_cpu.to(DEV)
         ovf_cpu = codec.new_overflow(nb)
         ovf_gpu = kp.OverflowStore(nb * lay.tiles, h, device=DEV)
-        write_both(codec, cache_cpu, cache_gpu, ovf_cpu, ovf_gpu, tops_gpu, k, v, slots, runs)
+        write_both(codec, cache_cpu, cache_gpu, ovf_cpu, ovf_gpu, tops_gpu, k, v, slots, runs, strided=j == 2)
         assert torch.equal(cache_gpu.cpu(), cache_cpu), f"page bytes differ (runs {runs[:3]}...)"
         tiles = (blocks.view(-1, 1) * lay.tiles + torch.arange(lay.tiles)).reshape(-1)
         rk, rv = kv_cuda.read_tiles(cache_gpu, lay, tops_gpu, tiles.to(DEV), ovf_gpu)
