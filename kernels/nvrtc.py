@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SOURCES = Path(__file__).with_name("cuda")
-log = logging.getLogger("glyd.kernels")
+log = logging.getLogger("vllm.glyd.kernels")  # inside an engine this goes where vLLM's log goes (and its phases)
 _lock = threading.Lock()
 _modules: dict[tuple[int, str], object] = {}
 on_compile: list[Callable[[str], None]] = []  # told "name (arch)" before each compile (start-up progress)

@@ -42,6 +42,7 @@ _PHASES = (
     ("Starting to load model", "Loading the weights"),
     ("Loading weights took", "Weights loaded; profiling memory"),
     ("Warming up model", "Compiling the model (first start only)"),
+    ("compiling Glyd CUDA kernels", "Compiling Glyd's CUDA kernels (first start only)"),
     ("KV cache size", "Allocating the KV cache"),
     ("init engine", "Finishing"),
 )

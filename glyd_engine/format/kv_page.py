@@ -449,13 +449,15 @@ class KVPageCodec:
             hh = heads.view(1, H, 1).expand_as(row)
             pos = lo + o[t_in].unsqueeze(1).expand(-1, H, -1)  # [T, H, D]
             work[row, hh, pos] = lbyte.to(torch.uint8)
-            # hi bits: several values share a byte, so set them through a bit-level view of the plane
+            # hi bits: several values share a byte; no two share a bit, so sums of bits are ORs
             ho, hp = lay.h_offset(kv), plane_bytes(D, cb)[1]
-            bits = hbit[t_in].unsqueeze(1).expand(-1, H, -1, -1)  # [T, H, D, 3]
-            plane = work[:, :, ho : ho + hp].to(torch.int64)
-            pbits = ((plane.unsqueeze(-1) >> torch.arange(8)) & 1).reshape(U, H, -1)
-            pbits[row.unsqueeze(-1).expand_as(bits), hh.unsqueeze(-1).expand_as(bits), bits] = hi
-            work[:, :, ho : ho + hp] = (pbits.view(U, H, hp, 8) << torch.arange(8)).sum(-1).to(torch.uint8)
+            bits = hbit[t_in].unsqueeze(1)  # [T, 1, D, cb]
+            at = ((row * H + hh).unsqueeze(-1) * hp + bits // 8).reshape(-1)
+            one = (1 << (bits % 8)).to(torch.int32).expand(-1, H, -1, -1).reshape(-1)
+            mask = torch.zeros(U * H * hp, dtype=torch.int32).index_add_(0, at, one)
+            new = torch.zeros(U * H * hp, dtype=torch.int32).index_add_(0, at, one * hi.reshape(-1).to(torch.int32))
+            plane = work[:, :, ho : ho + hp].reshape(-1).to(torch.int32)
+            work[:, :, ho : ho + hp] = ((plane & ~mask) | new).to(torch.uint8).view(U, H, hp)
             # escape entries, in (token, channel) order per tile and head
             t_i, h_i, d_i = esc.nonzero(as_tuple=True)  # token-major, then head, then channel
             self.stats.values += c.numel()
@@ -561,20 +563,28 @@ def decode_tiles(tiles: torch.Tensor, tile_ids: torch.Tensor, tops: torch.Tensor
     lst = tiles[:, :, lay.list_offset : lay.list_offset + 2 * R].contiguous().view(torch.int16).to(
         torch.int64) & _U16  # [N, H, R]
     cb = lay.code_bits
-    w, keep = window(cb), 0x8000 | ((window(cb) - 1) << 7) | 0x7F  # sign, c's place in the exponent, mantissa
+    keep = 0x8000 | ((window(cb) - 1) << 7) | 0x7F  # sign, c's place in the exponent, mantissa
     out = []
     for kv in (0, 1):
-        o, hbit = fragment_maps(D, kv, cb)
+        o_of_td, word, rot, mask, chan = _read_plan(D, kv, cb)
         lo, ho = lay.l_offset(kv), lay.h_offset(kv)
-        lb = tiles[:, :, lo + o.reshape(-1)].to(torch.int64).view(n, H, TILE, D)
-        hb = tiles[:, :, ho + (hbit // 8).reshape(-1)].to(torch.int64).view(n, H, TILE, D, cb)
-        hv = (hb >> (hbit % 8).view(1, 1, TILE, D, cb)) & 1
-        s, c = hv[..., 0], lb >> 7
-        for f in range(1, cb):
-            c = c | (hv[..., f] << (cb - f))
-        e = tops[kv].to(torch.int64).view(1, H, 1, D) - (w - 1) + c
-        bits = (s << 15) | (e << 7) | (lb & 0x7F)  # [N, H, 16, D]
-        scaled = ((s << 15) | ((prescaled(cb) + c) << 7) | (lb & 0x7F)).view(n, H, TILE * D)  # the kernel's value
+        lp, hp = plane_bytes(D, cb)
+        # The GPU's decode, a word at a time: a lane's hi words -> the four H bytes of each of its groups.
+        words = _lane_words(tiles[:, :, ho : ho + hp], D, cb)  # int64 [N, H, 32 lanes, words]
+        h4 = torch.zeros(n, H, LANES, D // 8, dtype=torch.int64)
+        for piece in range(word.shape[0]):
+            x = words.index_select(-1, word[piece])  # [N, H, 32, groups]
+            r = rot[piece]
+            x = ((x >> r) | (x << ((32 - r) % 32))) & 0xFFFFFFFF
+            h4 |= x & mask[piece]
+        h4 |= _HCONST[cb]
+        hbytes = h4.to(torch.int32).view(torch.uint8).view(n, H, LANES, D // 32, 4, 4)  # [.., lane, q/4, q%4, b]
+        hbytes = hbytes.permute(0, 1, 3, 2, 4, 5).reshape(n, H, lp)  # fragment order o
+        lbytes = tiles[:, :, lo : lo + lp]
+        scaled16 = (hbytes.to(torch.int16) << 8) | lbytes.to(torch.int16)  # the kernel's decoded value, order o
+        exp_shift = ((tops[kv].to(torch.int16) - 127) << 7).index_select(-1, chan).view(1, H, lp)
+        bits = (scaled16 + exp_shift).to(torch.int64) & _U16  # exponent 128 - 2^b + c -> top - 2^b + 1 + c
+        scaled = scaled16.to(torch.int64) & _U16
         # escapes: the page's list (K from the start, V from the end), then the overflow run
         n_tot, n_in = cnt[..., kv].clamp(max=TILE * D), cnt[..., 2 + kv]  # garbage counts of unwritten tiles
         slots = torch.arange(R)
@@ -593,14 +603,48 @@ def decode_tiles(tiles: torch.Tensor, tile_ids: torch.Tensor, tops: torch.Tensor
             vals = torch.where(good, arena[idx.clamp(0, max(0, arena.numel() - 1))] if arena.numel() else
                                torch.zeros_like(idx), torch.zeros_like(idx))
             ent_list.append((vals, good))
-        flat = bits.view(n, H, TILE * D)
-        inv = _inverse_o(D, kv)
         for ents, good in ent_list:
             if not bool(good.any()):
                 continue
             ni, hi_, ji = good.nonzero(as_tuple=True)
             ent = ents[ni, hi_, ji]
-            idx = inv[(ent & ((1 << POS_BITS) - 1)) % (TILE * D)]  # in range even for a tile nobody wrote
-            flat[ni, hi_, idx] = (scaled[ni, hi_, idx] & keep) | ((ent >> POS_BITS) << (7 + cb))
-        out.append(_u16(bits.view(n, H, TILE, D)).view(torch.bfloat16))
+            o = (ent & ((1 << POS_BITS) - 1)) % (TILE * D)  # in range even for a tile nobody wrote
+            bits[ni, hi_, o] = (scaled[ni, hi_, o] & keep) | ((ent >> POS_BITS) << (7 + cb))
+        out.append(_u16(bits).index_select(-1, o_of_td).view(n, H, TILE, D).view(torch.bfloat16))
     return out[0], out[1]
+
+
+_HCONST = {3: 0x3C3C3C3C, 4: 0x38383838}  # H's constant bits: (128 - 2^b) >> 1 in every byte
+
+
+def _lane_words(plane: torch.Tensor, head_size: int, code_bits: int) -> torch.Tensor:
+    """A tile's hi plane [N, H, bytes] -> each lane's words, int64 [N, H, 32, words] (chunks of 4, 2, 1 words)."""
+    n, h, _ = plane.shape
+    nw = _h_words(head_size, code_bits)
+    parts, k, base = [], 0, 0
+    for size in (4, 2, 1):
+        while nw - k >= size:
+            chunk = plane[:, :, base : base + LANES * 4 * size].reshape(n, h, LANES, 4 * size)
+            parts.append(chunk.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF)
+            k += size
+            base += LANES * 4 * size
+    return torch.cat(parts, -1)
+
+
+@functools.lru_cache(maxsize=16)
+def _read_plan(head_size: int, kv: int, code_bits: int) -> tuple[torch.Tensor, ...]:
+    """For the word-wide decode: o of each (token, channel) [16D]; for each of a group's (up to 2) pieces the word,
+    rotation and mask of every group [pieces, D/8]; the channel of each o [16D]."""
+    ng = head_size // 8
+    pieces = [group_hi_bits(q, code_bits) for q in range(ng)]
+    npiece = max(len(p) for p in pieces)
+    word = torch.zeros(npiece, ng, dtype=torch.int64)
+    rot = torch.zeros(npiece, ng, dtype=torch.int64)
+    mask = torch.zeros(npiece, ng, dtype=torch.int64)
+    for q, ps in enumerate(pieces):
+        for i, (w, r, m) in enumerate(ps):
+            word[i, q], rot[i, q], mask[i, q] = w, r, m * 0x01010101
+    o, _ = fragment_maps(head_size, kv, code_bits)
+    chan = torch.empty(TILE * head_size, dtype=torch.int64)
+    chan[o.reshape(-1)] = torch.arange(head_size).repeat(TILE)
+    return o.reshape(-1), word, rot, mask, chan

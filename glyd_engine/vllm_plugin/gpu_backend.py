@@ -62,7 +62,10 @@ class GlydGPUMetadataBuilder(AttentionMetadataBuilder[GlydGPUMetadata]):
         n = m.seq_lens.shape[0]
         host = num_decodes < n  # the prefill path loops over sequences on the host
         qsl = getattr(m, "query_start_loc_cpu", None)
+        # exact for prefill rows (vLLM 0.32-0.33; speculative decoding, where it is only a bound, is refused)
         sl = getattr(m, "seq_lens_cpu", None)
+        if sl is None:
+            sl = getattr(m, "seq_lens_cpu_upper_bound", None)
         return GlydGPUMetadata(m.num_actual_tokens, m.max_query_len, m.query_start_loc, m.max_seq_len, m.seq_lens,
                                sl.tolist() if host and sl is not None else None,
                                qsl.tolist() if host and qsl is not None else None,
