@@ -14,7 +14,7 @@ from vllm.config import get_current_vllm_config
 from vllm.v1.attention.backend import AttentionType, MultipleOf
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
-from glyd_engine.vllm_plugin import settings, state
+from glyd_engine.vllm_plugin import state
 
 NAME = "GLYD"
 
@@ -64,7 +64,7 @@ class GlydBackendBase:
                              f"the layer has {spec.num_kv_heads} of size {spec.head_size}")
         from vllm.config import get_current_vllm_config_or_none
 
-        c = tables.token_bytes(settings.code_bits(get_current_vllm_config_or_none()))
+        c = tables.token_bytes(state.code_bits_in_use(get_current_vllm_config_or_none()))
         elem = torch.empty(0, dtype=spec.dtype).element_size()
         c += (-c) % elem  # vLLM views the bytes as the spec's dtype
         return replace(spec, state_content_bytes=c)
