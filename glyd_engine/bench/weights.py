@@ -40,7 +40,7 @@ def run_weights_bench(model: Path, logprob_tokens: int = 2000, batch: int = 4, m
     return {
         "model": str(model), "packed": str(packed),
         "prompt_logprob_tokens": logprob_tokens,
-        "prompt_logprobs_identical": bits_equal(bf16["prompt_logprobs"], glyd["prompt_logprobs"]),
+        "prompt_logprobs_identical": bits_equal(bf16, glyd),
         "greedy_tokens_identical": bf16["greedy"] == glyd["greedy"],
         "weight_values_packed": w["glyd_weight_values"],
         "weight_bytes_bf16": w["bf16_weight_bytes"], "weight_bytes_resident": w["glyd_weight_bytes"],
