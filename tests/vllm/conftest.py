@@ -34,9 +34,11 @@ def _glyd_home() -> Any:
         yield
 
 
-def run_configs(cases: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Engine configs built in a child (no engine start): what Glyd decided for each case."""
-    proc = subprocess.run([sys.executable, str(HERE / "config_child.py"), json.dumps(cases)],
+def run_configs(cases: dict[str, dict[str, Any]], without_hook: str | None = None) -> dict[str, dict[str, Any]]:
+    """Engine configs built in a child (no engine start): what Glyd decided for each case (`without_hook`: in a
+    vLLM whose AttentionBackend lacks that method)."""
+    extra = ["--without", without_hook] if without_hook else []
+    proc = subprocess.run([sys.executable, str(HERE / "config_child.py"), json.dumps(cases), *extra],
                           capture_output=True, text=True, timeout=300, env=dict(os.environ))
     logs: dict[str, list[str]] = {}
     current: list[str] = []
