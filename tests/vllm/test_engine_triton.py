@@ -32,14 +32,20 @@ def off_run(demo_model_dir: Path) -> dict[str, Any]:
     return engine({"model": demo_model_dir, "mode": "off", **TINY})
 
 
-def test_triton_path_selected_and_capacity(triton_run: dict, off_run: dict) -> None:
+def test_triton_path_selected_and_capacity(triton_run: dict, off_run: dict, demo_model_dir: Path) -> None:
     assert "Glyd KV cache: lossless (lossless pages, every value exact; triton kernels)" in triton_run["log"]
     # a step held a decode token and a prompt chunk: vLLM put the decode first and it took the decode kernel
     assert triton_run["stats"]["split_batches"] > 0
     # vLLM handed the step's own K/V to attention, and prefill runs read them instead of their pages
     assert triton_run["stats"]["fresh_prefills"] > 0
     assert triton_run["kv_tokens"] > 1.35 * off_run["kv_tokens"], (triton_run["kv_tokens"], off_run["kv_tokens"])
-    assert KV_BYTES  # both engines ran in the same fixed KV memory (conftest's engine())
+    # both engines sized their cache from the same fixed KV memory: as many whole blocks as KV_BYTES holds
+    from glyd_engine.vllm_plugin import state
+
+    per_block = 30 * 3 * off_run["block_size"]  # layers x KV heads x tokens a block
+    assert off_run["num_blocks"] == KV_BYTES // (per_block * 256)  # bf16: (64 + 64) x 2 bytes a token and head
+    token_bytes = state.load_tables(str(demo_model_dir)).layout(triton_run["block_size"]).token_bytes
+    assert triton_run["num_blocks"] == KV_BYTES // (30 * 3 * triton_run["block_size"] * token_bytes)
 
 
 def test_every_value_read_by_the_kernels_is_the_value_written(triton_run: dict) -> None:
