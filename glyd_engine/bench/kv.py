@@ -146,6 +146,9 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
         res["decode_tokens_per_s"] = round(sum(map(len, outs)) / dt, 2)
         res["speed_batch"] = int(s["batch"])
     res["metrics"] = _counters(llm)
+    from glyd_engine.vllm_plugin import kv_status
+
+    res["kv_bytes_per_token"] = kv_status(llm.llm_engine.vllm_config)["bytes_per_token"]  # all layers, K and V
     if llm.llm_engine.vllm_config.model_config.quantization == "glyd":
         from glyd_engine.vllm_plugin.weights import worker_weight_bytes
 
@@ -219,6 +222,7 @@ def run_kv_bench(model: Path, kv_bytes: int = DEFAULT_KV_BYTES, logprob_tokens: 
         "model": str(model), "kv_cache_memory_bytes": kv_bytes, "block_size": off["block_size"],
         "kv_tokens_off": off["kv_tokens"], "kv_tokens_lossless": glyd["kv_tokens"],
         "capacity_ratio": round(glyd["kv_tokens"] / max(1, off["kv_tokens"]), 4),
+        "kv_bytes_per_token_off": off["kv_bytes_per_token"], "kv_bytes_per_token_lossless": glyd["kv_bytes_per_token"],
         "prompt_logprob_tokens": logprob_tokens,
         "prompt_logprobs_identical": bits_equal(off, glyd),
         "values_checked": stats.get("values_checked", 0), "values_differing": stats.get("values_differing", 0),
