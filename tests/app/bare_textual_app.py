@@ -6,14 +6,14 @@ way it times glyd-chat's (docs/benchmarks.md)."""
 from __future__ import annotations
 
 from textual.app import App, ComposeResult
-from textual.widgets import Footer, Header, Input
+from textual.widgets import Static
 
 
 class Bare(App[None]):
     def compose(self) -> ComposeResult:
-        yield Header()
-        yield Input(placeholder="Type a message")
-        yield Footer()
+        yield Static("Glyd")
+        yield Static("Type a message")
+        yield Static("ready")
 
 
 if __name__ == "__main__":
