@@ -1,24 +1,10 @@
-"""Triton kernels for Glyd's compressed KV pages (docs/format.md section 2) and resident weights (section 4).
+"""GPU kernels: the KV page code's (CUDA C++, compiled at run time by NVRTC) and the Glyd matmul's (Triton).
 
-- `kv_decode_attention`: paged decode attention that reads compressed pages and decodes them in
-  registers, 4 values a 32-bit word (GQA, split over the context with a fixed-order merge), plus
-  `decode_pages`, a debug kernel that writes decoded K/V so the decoder can be checked bit for bit against
-  `KVPageCodec.read`.
-- `kv_prefill_attention`: causal attention of prefill runs, prefill chunks and decode tokens in one varlen
-  batch over the same pages (the step's K/V written first, as vLLM's unified attention expects).
-- `kv_page_write`: appends K/V tokens (prefill runs, single decode tokens) into compressed pages,
-  escapes included; escapes past a page's reserve take a torch path (counted) into a device overflow store.
+- `kv_cuda`: decode attention over compressed pages, the page writer and a tile reader (kernels/cuda/kv_pages.cu).
+- `kv_layer.KVLayer`: one attention layer's pages driven by them (what the vLLM backend calls on CUDA), with a
+  torch implementation of the same interface for machines without a GPU.
+- `nvrtc`: compiling, caching and launching the CUDA sources.
+- `resident_linear`: the Glyd matmul, weight tiles decoded on chip (Triton).
 
-- `resident_linear`: the Glyd matmul, weight tiles decoded on chip (imported from its module).
-- `kv_layer.TritonKVLayer`: one layer's pages driven by these kernels (what the vLLM backend calls on CUDA).
-
-The torch reference for the KV kernels is `glyd_engine.format.kv_page.KVPageCodec` (write/read). Each function
-here runs under `TRITON_INTERPRET=1` on the CPU (tests/kernels) and natively on CUDA.
+The torch reference of the page code is `glyd_engine.format.kv_page` (write, read).
 """
-
-from kernels.kv_decode_attention import decode_pages, kv_decode_attention, pack_bases
-from kernels.kv_page_write import DeviceOverflowStore, PageWriter, write_pages
-from kernels.kv_prefill_attention import kv_prefill_attention
-
-__all__ = ["DeviceOverflowStore", "PageWriter", "decode_pages", "kv_decode_attention", "kv_prefill_attention",
-           "pack_bases", "write_pages"]

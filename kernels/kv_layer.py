@@ -1,77 +1,110 @@
-"""One attention layer's compressed KV pages driven by the Triton kernels: the GPU path of the vLLM backend.
+"""One attention layer's compressed KV pages and the kernels that write and read them (the GPU backend's engine).
 
-`TritonKVLayer` owns what the kernels need next to vLLM's page tensor: the layer's decode table (windows) and
-its packed tops on the pages' device, a `PageWriter` and a device overflow store. It knows nothing of vLLM: the
-backend (`glyd_engine.vllm_plugin.triton_backend`) hands it the step's tensors, and the tests drive it with
-hand-made batches (under TRITON_INTERPRET=1 on the CPU). Single decode tokens take the decode kernel (split
-over long contexts), everything else (prefill runs, chunks) the varlen prefill kernel; a mixed batch whose
-decodes come first (vLLM orders them so when a builder asks, and says how many) is split between the two.
-Both read the pages the step has just written, but the prefill kernel takes the step's own keys from its bf16
-K/V when the caller passes them (the same values: a fresh prefill then decodes no page).
+`KVLayer` owns what the kernels need beside vLLM's page tensor: the layer's window tops on the pages' device and
+the overflow store. Decode tokens (one query a sequence; vLLM puts them first) take the CUDA decode attention, which
+reads compressed pages straight into the tensor cores; prefill runs and chunks decode their sequences' tiles to bf16
+and run SDPA with a causal mask aligned to the end of the context. `impl="torch"` runs the same interface on the
+torch reference (any device), so the backend's wiring is tested on machines without a GPU. It knows nothing of
+vLLM: the backend hands it the step's tensors, and tests drive it with hand-made batches.
 """
 
 from __future__ import annotations
 
 import torch
 
-from glyd_engine.format.kv_page import TABLE_SIZE, KVPageLayout
-from kernels.kv_decode_attention import decode_pages, kv_decode_attention, pack_bases
-from kernels.kv_page_write import DeviceOverflowStore, PageWriter
-from kernels.kv_prefill_attention import kv_prefill_attention
+from glyd_engine.format.kv_page import TILE, KVPageCodec, KVPageLayout, OverflowStore, decode_tiles
 
 
-class TritonKVLayer:
-    """Pages [num_blocks, H, page_bytes] uint8 (a view of vLLM's layer tensor) with the layer's decode table."""
+class KVLayer:
+    """Pages [num_blocks, H, page_bytes] uint8 (a view of vLLM's layer tensor), the layer's window tops [2, H, D]."""
 
-    def __init__(self, layout: KVPageLayout, decode_table: torch.Tensor, pages: torch.Tensor) -> None:
-        if decode_table.dim() != 4 or decode_table.shape[0] != 2 or decode_table.shape[-1] != TABLE_SIZE:
-            raise ValueError(f"decode table must be uint8 [2, H, D, {TABLE_SIZE}], not {tuple(decode_table.shape)}")
-        if pages.dim() != 3 or pages.shape[1] != decode_table.shape[1] or pages.shape[2] != layout.page_bytes:
-            raise ValueError(f"pages must be uint8 [num_blocks, {decode_table.shape[1]}, {layout.page_bytes}], "
-                             f"not {tuple(pages.shape)}")
-        self.layout = layout
-        self.pages = pages
-        dec = decode_table.to(pages.device).contiguous()
-        self.writer = PageWriter(layout, dec)
-        self.bases = pack_bases(dec)
-        self.overflow = DeviceOverflowStore(pages.shape[0], pages.shape[1], device=pages.device)
+    def __init__(self, layout: KVPageLayout, tops: torch.Tensor, pages: torch.Tensor, impl: str = "cuda") -> None:
+        if pages.dim() != 3 or pages.shape[2] != layout.page_bytes or tops.shape != (2, pages.shape[1],
+                                                                                     layout.head_size):
+            raise ValueError(f"pages must be uint8 [num_blocks, H, {layout.page_bytes}] and tops [2, H, "
+                             f"{layout.head_size}], not {tuple(pages.shape)} and {tuple(tops.shape)}")
+        if impl not in ("cuda", "torch"):
+            raise ValueError(f"impl must be cuda or torch, not {impl!r}")
+        self.layout, self.pages, self.impl = layout, pages, impl
+        self.tops = tops.to(pages.device).contiguous()
+        self.overflow = OverflowStore(pages.shape[0] * layout.tiles, pages.shape[1], device=pages.device)
+        self.codec = KVPageCodec(layout, tops.cpu()) if impl == "torch" else None
+        self.growth_rounds = 0  # writes that had to grow an overflow run (a host sync each)
 
     def write(self, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
-        """Append the step's K/V [T, H, D] at `slots` (-1: padding). One host sync (the overflow count)."""
-        self.writer.write(self.pages, self.overflow, key, value, slots)
+        """Append the step's K/V [T, H, D] at `slots` (-1: padding); a tile's tokens consecutive and in order."""
+        if self.codec is not None:
+            self.codec.write(self.pages, self.overflow, key, value, slots)
+            return
+        from kernels import kv_cuda
+
+        self.growth_rounds += kv_cuda.write(self.pages, self.layout, self.tops, self.overflow, key, value, slots)
+
+    def read(self, tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, V) [N, H, 16, D] bf16 of these tiles (block * tiles a page + tile) as attention reads them."""
+        if self.codec is not None:
+            view = self.pages.view(self.pages.shape[0], self.pages.shape[1], self.layout.tiles,
+                                   self.layout.tile_bytes).transpose(1, 2).reshape(-1, self.pages.shape[1],
+                                                                                   self.layout.tile_bytes)
+            return decode_tiles(view[tiles.long().cpu()], tiles.long().cpu(), self.codec.tops, self.layout,
+                                self.overflow)
+        from kernels import kv_cuda
+
+        return kv_cuda.read_tiles(self.pages, self.layout, self.tops, tiles, self.overflow)
 
     def attend(self, query: torch.Tensor, out: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-               query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int, scale: float,
-               num_decodes: int | None = None, key: torch.Tensor | None = None,
-               value: torch.Tensor | None = None) -> torch.Tensor:
-        """Causal attention of the step's queries [T, Hq, D] over the pages (their K/V written first).
+               query_start_loc: torch.Tensor, max_seq_len: int, scale: float, num_decodes: int,
+               seq_lens_cpu: list[int] | None = None, query_start_cpu: list[int] | None = None) -> torch.Tensor:
+        """Causal attention of the step's queries [T, Hq, D] over the pages (the step's K/V written first).
 
-        num_decodes: how many leading sequences of the batch have exactly one query token each (host int), if
-        known; their queries are then the first num_decodes rows. key, value [T, H, D]: the step's own K/V (as
-        written); given, prefill runs read them instead of decoding their own pages.
+        The first `num_decodes` sequences have one query token each (rows 0..num_decodes-1); the rest are prefill
+        runs or chunks, whose lengths the caller passes as host lists when it has them (else one sync here).
         """
-        num_seqs = seq_lens.shape[0]
-        overflow = self._overflow()
-        if max_query_len == 1 and query.shape[0] == num_seqs:
-            num_decodes = num_seqs
-        nd = num_decodes or 0
+        nd = num_decodes
         if nd:
-            kv_decode_attention(query[:nd], self.pages, self.layout, self.bases, block_table[:nd], seq_lens[:nd],
-                                max_seq_len, scale, overflow=overflow, out=out[:nd])
-        if nd < num_seqs:  # the rest, its query offsets rebased to its first token (a device op, no sync)
-            start = query_start_loc[nd:] - query_start_loc[nd] if nd else query_start_loc
-            kv_prefill_attention(query[nd:], self.pages, self.layout, self.bases, block_table[nd:], seq_lens[nd:],
-                                 start, max_query_len, scale, overflow=overflow, out=out[nd:],
-                                 key=None if key is None else key[nd:], value=None if value is None else value[nd:])
+            self._decode(query[:nd], out[:nd], block_table[:nd], seq_lens[:nd], max_seq_len, scale)
+        if nd < seq_lens.shape[0]:
+            lens = seq_lens_cpu if seq_lens_cpu is not None else seq_lens.tolist()
+            starts = query_start_cpu if query_start_cpu is not None else query_start_loc.tolist()
+            for s in range(nd, len(lens)):
+                self._prefill(query, out, block_table[s], lens[s], starts[s], starts[s + 1], scale)
         return out
 
-    def _overflow(self) -> DeviceOverflowStore | None:
-        """The store once any page has overflowed (a host counter: no sync); None lets the kernels skip it."""
-        return self.overflow if self.overflow.values_written else None
+    def _decode(self, query: torch.Tensor, out: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                max_seq_len: int, scale: float) -> None:
+        if self.codec is None:
+            from kernels import kv_cuda
 
-    def read(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(K, V) [N, H, B, D] bf16 of these pages through the attention kernels' decoder (check mode)."""
-        return decode_pages(self.pages, self.layout, self.bases, blocks, self._overflow())
+            kv_cuda.decode_attention(query, self.pages, self.layout, self.tops, block_table, seq_lens, max_seq_len,
+                                     scale, self.overflow, out=out)
+            return
+        for s, n in enumerate(seq_lens.tolist()):
+            self._prefill(query[s : s + 1], out[s : s + 1], block_table[s], n, 0, 1, scale)
+
+    def _prefill(self, query: torch.Tensor, out: torch.Tensor, table_row: torch.Tensor, seq_len: int, q0: int,
+                 q1: int, scale: float) -> None:
+        """One sequence: its tiles decoded to bf16, SDPA with the causal mask aligned to the context's end."""
+        from torch.nn.attention.bias import causal_lower_right
+
+        lay = self.layout
+        n_tiles = -(-seq_len // TILE)
+        blocks = table_row[: -(-n_tiles // lay.tiles)].long()
+        tiles = (blocks.view(-1, 1) * lay.tiles + torch.arange(lay.tiles, device=blocks.device)).reshape(-1)[:n_tiles]
+        k, v = self.read(tiles)  # [n, H, 16, D]
+        h, d = k.shape[1], k.shape[3]
+        k = k.to(query.device).transpose(0, 1).reshape(h, -1, d)[:, :seq_len]
+        v = v.to(query.device).transpose(0, 1).reshape(h, -1, d)[:, :seq_len]
+        q = query[q0:q1].transpose(0, 1)  # [Hq, n_q, D]
+        g = q.shape[0] // h
+        k, v = k.repeat_interleave(g, 0), v.repeat_interleave(g, 0)
+        mask = causal_lower_right(q1 - q0, seq_len)
+        if q.device.type == "cpu":  # the CPU's SDPA takes no attention-bias object: build the mask
+            mask = torch.ones(q1 - q0, seq_len, dtype=torch.bool).tril(seq_len - (q1 - q0))
+            o = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
+                                                                 scale=scale)
+        else:
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        out[q0:q1] = o.transpose(0, 1).to(out.dtype)
 
 
-__all__ = ["TritonKVLayer"]
+__all__ = ["KVLayer"]

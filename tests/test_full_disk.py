@@ -17,7 +17,7 @@ import pytest
 
 from tests.tiny_models import make_tiny_llama
 
-SMALL = 64 * 1024  # bytes: the tiny model's checkpoint (~150 KB) and the demo's KV tables (80 KB) do not fit
+SMALL = 64 * 1024  # bytes: neither the tiny model's checkpoint (~150 KB) nor KV tables for 32 layers x 8 heads fit
 
 
 @dataclass
@@ -94,7 +94,7 @@ def test_pack_force_onto_a_full_disk_keeps_the_old_destination(small_disk: Small
 def test_kv_tables_write_onto_a_full_disk_raises_disk_full(small_disk: SmallDisk) -> None:
     code = ("import sys; from pathlib import Path; from glyd_engine.atomic import DiskFullError; "
             "from glyd_engine.tables.kv_tables import KVTables\n"
-            "try:\n    KVTables.uniform(30, 3, 64).save(Path(sys.argv[1]))\n"
+            "try:\n    KVTables.uniform(32, 8, 128).save(Path(sys.argv[1]))\n"
             "except DiskFullError as exc:\n    print('DiskFullError:', exc)\n")
     r = small_disk.run(["-c", code, str(small_disk.root / "kv" / "tables.safetensors")])
     assert r.returncode == 0, r.stderr

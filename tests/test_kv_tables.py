@@ -1,23 +1,27 @@
 """KV tables: the file is checked and rebuilt when damaged; the build covers the window; the lock holds."""
 
+import math
 import threading
 from pathlib import Path
 
 import pytest
 import torch
 
-from glyd_engine.errors import CorruptFileError
+from glyd_engine.errors import CorruptFileError, UnsupportedModelError
+from glyd_engine.format import kv_page
 from glyd_engine.progress import Cancelled, CancelToken
 from glyd_engine.tables import KVTables, build, ensure_tables, tables_path
 
 
 def test_file_round_trip_and_damage(tmp_path):
-    t = KVTables.uniform(3, 2, 16, fingerprint="abc")
-    t.decode[1, 0, 1, 2] = torch.tensor([7, 6, 5, 4, 3, 2, 1], dtype=torch.uint8)
+    t = KVTables.uniform(3, 2, 64, fingerprint="abc")
+    t.tops[3][1, 0, 1, 2] = 9
+    t.tops[4][1, 0, 1, 2] = 17
     p = tmp_path / "t.safetensors"
     t.save(p)
     back = KVTables.load(p, "abc")
-    assert torch.equal(back.decode, t.decode) and back.k_escapes == t.k_escapes
+    assert all(torch.equal(back.tops[b], t.tops[b]) for b in (3, 4)) and back.reserve == t.reserve
+    assert back.token_bytes(3) == 182 and back.token_bytes(4) == 193  # 4-entry reserve: (3072 + 8 + 8) / 16
     with pytest.raises(CorruptFileError, match="another model"):
         KVTables.load(p, "other")
     data = bytearray(p.read_bytes())
@@ -31,13 +35,17 @@ def test_file_round_trip_and_damage(tmp_path):
 
 
 def test_counts_to_tables_picks_the_fullest_window_and_sizes_the_reserve():
-    counts = torch.zeros(1, 2, 1, 8, 256, dtype=torch.int64)
+    counts = torch.zeros(1, 2, 1, 64, 256, dtype=torch.int64)
     counts[..., 100:110] = torch.arange(10, 0, -1)  # 100 most frequent ... 109 least
-    counts[..., 120] = 7  # frequent, but no window holds it with the 7 around 100..106
-    decode, floor, reserve = build.counts_to_tables(counts)
-    assert decode[0, 0, 0, 0].tolist() == list(range(106, 99, -1))  # code c = 106 - c
-    miss = (3 + 2 + 1 + 7) / 62  # the three rarest of 100..109 and 120 escape
-    assert reserve == [max(1, int(torch.tensor(8 * miss).ceil()))] * 2
+    counts[..., 120] = 7  # frequent, but no window holds it with the 8 around 100..107
+    tops, floor, reserve = build.counts_to_tables(counts)
+    assert int(tops[3][0, 0, 0, 0]) == 107  # 100..107 hold the most
+    miss = (2 + 1 + 7) / 62  # 108, 109 and 120 escape
+    mean = 16 * 2 * 64 * miss  # entries a tile: 16 tokens, K and V, 64 channels
+    assert reserve[3] == kv_page.valid_reserve(math.ceil(mean + math.sqrt(mean)))
+    assert int(tops[4][0, 0, 0, 0]) == 115  # any 16 from 100 on hold 100..109; ties go to the highest top
+    mean4 = 16 * 2 * 64 * 7 / 62  # only 120 escapes
+    assert reserve[4] == kv_page.valid_reserve(math.ceil(mean4 + math.sqrt(mean4)))
     assert 0 < float(floor.min()) < 4
 
 
@@ -55,17 +63,18 @@ def test_build_is_cancellable_and_reused(demo_model_dir, tmp_path, monkeypatch):
     events = []
     t = ensure_tables(demo_model_dir, window=4096, tokens=1024, progress=events.append)
     assert path.exists() and t.window == 4096 and t.tokens == 1024
-    assert t.decode.shape == (30, 2, 3, 64, 7) and t.k_escapes >= 1 and t.v_escapes >= 1
+    assert t.tops[3].shape == (30, 2, 3, 64) and 4 <= t.reserve[3] <= 44 and t.token_bytes(3) <= 182  # >= 1.40x
+    assert t.token_bytes(4) <= 198
     assert events[-1].fraction == 1.0 and any("window" in e.phase for e in events)
     assert 9.0 < t.floor_bits(0) < 12.0
     # Reused: no progress the second time.
     again = []
-    assert torch.equal(ensure_tables(demo_model_dir, window=4096, progress=again.append).decode, t.decode)
+    assert torch.equal(ensure_tables(demo_model_dir, window=4096, progress=again.append).tops[3], t.tops[3])
     assert not again
     # Damaged: rebuilt, not trusted.
     path.write_bytes(path.read_bytes()[:100])
     rebuilt = ensure_tables(demo_model_dir, window=4096, tokens=1024)
-    assert torch.equal(rebuilt.decode, t.decode)
+    assert torch.equal(rebuilt.tops[3], t.tops[3])
     # Two starts at once: one builds, the other waits for the lock and reads its file.
     path.unlink()
     results: list[KVTables] = []
@@ -84,27 +93,28 @@ def test_build_is_cancellable_and_reused(demo_model_dir, tmp_path, monkeypatch):
     for th in threads:
         th.join()
     assert len(calls) == 1 and len(results) == 2
-    assert torch.equal(results[0].decode, results[1].decode)
+    assert torch.equal(results[0].tops[3], results[1].tops[3])
     assert Path(path).exists()
 
 
-def test_tables_of_an_older_version_or_not_windows_are_refused(tmp_path):
+def test_tables_of_an_older_version_or_not_this_page_code_are_refused(tmp_path):
+    from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
-    t = KVTables.uniform(2, 1, 32, fingerprint="abc")
+    t = KVTables.uniform(2, 1, 64, fingerprint="abc")
     p = tmp_path / "t.safetensors"
     t.save(p)
-    from safetensors import safe_open
-
     with safe_open(str(p), "pt") as f:
         meta = dict(f.metadata())
     tensors = load_file(str(p))
-    old = dict(meta, tables_version="1")
-    save_file(tensors, str(p), metadata=old)
-    with pytest.raises(CorruptFileError, match="version-1 KV tables.*rebuild"):
+    save_file(tensors, str(p), metadata=dict(meta, tables_version="2"))
+    with pytest.raises(CorruptFileError, match="version-2 KV tables for an older page code.*rebuild"):
         KVTables.load(p)
-    # a top-7 table (version 1's kind) under the current version: refused by its content, checksum intact
-    t.decode[0, 0, 0, 0] = torch.tensor([126, 125, 127, 124, 123, 122, 121], dtype=torch.uint8)
+    # tops outside 8..254 (windows holding exponent 0 or 255), checksum intact: refused by content
+    t.tops[3][0, 0, 0, 0] = 3
     t.save(p)
-    with pytest.raises(CorruptFileError, match="windows"):
+    with pytest.raises(CorruptFileError, match="8..254"):
         KVTables.load(p)
+    # a head size the page code does not hold
+    with pytest.raises(UnsupportedModelError, match="head size 80"):
+        KVTables.uniform(1, 1, 80)

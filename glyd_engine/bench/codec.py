@@ -102,7 +102,7 @@ def bench_kv(tables: KVTables, keys: dict[int, torch.Tensor], vals: dict[int, to
     n_blocks = (n_tok + block_size - 1) // block_size
     exact = True
     values = 0
-    overflow_bytes = [0, 0]
+    overflow_bytes = 0
     escapes = overflow = 0
     enc_s = dec_s = 0.0
     floors = {"k": [], "v": [], "v_chan": []}
@@ -120,8 +120,7 @@ def bench_kv(tables: KVTables, keys: dict[int, torch.Tensor], vals: dict[int, to
         enc_s, dec_s = enc_s + t1 - t0, dec_s + t2 - t1
         exact &= torch.equal(_tokens(rk, n_tok).view(torch.int16), k.view(torch.int16))
         exact &= torch.equal(_tokens(rv, n_tok).view(torch.int16), v.view(torch.int16))
-        for kv in (0, 1):  # the runs held plus the 4-byte pointer of every page
-            overflow_bytes[kv] += ovf.bytes_held_kv(kv) + 4 * ovf.ptr[..., kv].numel()
+        overflow_bytes += ovf.bytes_held + 4 * ovf.ptr.numel()  # the runs held plus a tile's two run pointers
         values += k.numel()
         escapes += codec.stats.escapes
         overflow += codec.stats.overflow
@@ -129,18 +128,17 @@ def bench_kv(tables: KVTables, keys: dict[int, torch.Tensor], vals: dict[int, to
         floors["v"].append(head_floor(v))
         floors["v_chan"].append(channel_floor(v))
         timer.update(layer + 1)
-    table_bits = 8 * (tables.nbytes / 2)  # each of K and V owns half the decode tables
     out: dict[str, object] = {"block_size": block_size, "kv_tokens": n_tok, "kv_values_checked": 2 * values}
-    for kv, name in ((0, "k"), (1, "v")):
-        bits = lay.bits_per_value(kv) + (8 * overflow_bytes[kv] + table_bits) / values
-        out[f"{name}_bits_per_value"] = round(bits, 4)
-    out["page_bits_per_value_k"] = round(lay.bits_per_value(0), 4)
-    out["page_bits_per_value_v"] = round(lay.bits_per_value(1), 4)
+    # everything included: pages, overflow runs and their pointers, the window tops
+    out["kv_bits_per_value"] = round(lay.bits_per_value() + (8 * (overflow_bytes + tables.nbytes)) / (2 * values), 4)
+    out["page_bits_per_value"] = round(lay.bits_per_value(), 4)
     out["k_floor_bits"] = round(8 + sum(floors["k"]) / len(floors["k"]), 4)
     out["v_floor_bits"] = round(8 + sum(floors["v"]) / len(floors["v"]), 4)
     out["v_floor_bits_per_channel"] = round(8 + sum(floors["v_chan"]) / len(floors["v_chan"]), 4)
     out["kv_token_bytes"] = lay.token_bytes
     out["kv_capacity_vs_bf16"] = round(4 * lay.head_size / lay.token_bytes, 4)
+    out["kv_token_bytes_4bit"] = tables.token_bytes(4)  # the 4-bit code (GPUs' default): fewer escapes, less capacity
+    out["kv_capacity_vs_bf16_4bit"] = round(4 * lay.head_size / tables.token_bytes(4), 4)
     out["kv_escape_rate"] = round(escapes / (2 * values), 5)
     out["kv_overflow_values"] = overflow
     mb = 2 * 2 * values / 1e6
@@ -165,7 +163,7 @@ def run_codec_bench(model_dir: Path, text: str, text_name: str, max_tokens: int,
     result.update(main)
     if len(runs) > 1:
         result["by_block_size"] = {str(r["block_size"]): {k: r[k] for k in (
-            "k_bits_per_value", "v_bits_per_value", "kv_overflow_values")} for r in runs}
+            "kv_bits_per_value", "kv_overflow_values")} for r in runs}
     result["tables"] = tables.describe()
     result["exact"] = bool(result["weights_exact"]) and all(bool(r["kv_exact"]) for r in runs)
     return result

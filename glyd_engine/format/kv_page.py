@@ -1,25 +1,26 @@
-"""The KV page code: vLLM's fixed-size pages holding ~11.4 bits a bf16 value, every value exact.
+"""The KV page code (page code v3): vLLM's fixed-size pages at ~11.3 (or ~12.1) bits a bf16 value, every value exact.
 
-Per token and KV head, K and V each store D sign/mantissa bytes, D 3-bit exponent codes (3 bit planes of
-D/8 bytes) and E bytes of escape reserve. Each channel's table is a window of 7 exponents: code c < 7 means
-exponent `base - c` (base >= 7, one byte a channel); 7 means "escape": the exponent is stored whole, in the
-page's escape area, in (token, channel) order, so the j-th escape of a page is byte j of that area.
-Windows and the bit order below let a GPU decode 4 values with a few 32-bit operations (kernels/).
-The reserve is pooled over the page (B tokens x E
-bytes), which absorbs the rare token with many escapes. Escapes beyond the reserve go to the block's
-overflow run (`OverflowStore`), outside the page: the defined lossless path for rare prompts.
+A page (one block, one KV head) is B/16 tiles of 16 tokens. In a tile, K and V each keep per value:
+  L     one byte: (c & 1) << 7 | mantissa
+  hi    b bits: the sign and c's bits b-1 .. 1
+where c = exponent - (top - 2^b + 1) is the exponent's place in its channel's window of 2^b exponents ending at
+`top` (one byte a channel from the model's tables; b = 3, the default, or 4). Both planes are stored in the order of
+a GPU lane's operand fragments of `mma.sync.m16n8k16` (K as the A operand of Sᵀ = K·Qᵀ, V as the A operand of
+Oᵀ = Vᵀ·Pᵀ), so one lane's 16-byte loads hold exactly the values it feeds the tensor cores, and a pair of bf16
+values is one byte permute of L and H = sign << 7 | (128 - 2^b + c) >> 1: the value scaled by 2^(127 - top), which
+the attention kernel undoes on the query side (docs/format.md section 2).
 
-Layout of one page (one block, one KV head), B = block size, D = head size, sections in this order:
-  k_sm  [B, D]        v_sm  [B, D]
-  k_code[B, 3, D/8]   v_code[B, 3, D/8]     plane p's 32-bit word k (little endian), bit 8b + j = bit p of
-                                            channel 32k + 4j + b's code (`code_bit_positions`)
-  k_esc [B * E_k]     v_esc [B * E_v]
-Appending token t writes row t of each section plus its escapes after those of rows < t (counted from
-the code planes, so a page carries no counter and is valid for any fill). Nothing else is rewritten.
+A value outside its window (an **escape**; zeros, subnormals, inf and NaN always are) is stored with
+c = exponent mod 2^b and listed in the tile's escape list as a 16-bit entry `o | (exponent >> b) << 11`, o being
+its L byte's offset, so the value is `L`, `hi` and the entry together. K entries fill the tile's list from
+its start, V entries from its end; what does not fit goes to the tile's overflow run (`OverflowStore`), the
+defined lossless path for rare prompts. Appending token t writes its bytes and bits and appends its entries;
+nothing already written is re-encoded or moved, and a write at a tile's token 0 starts the tile anew.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -27,165 +28,258 @@ import torch
 from glyd_engine.errors import UnsupportedModelError
 from glyd_engine.format import bf16
 
-CODE_BITS = 3
-ESCAPE = (1 << CODE_BITS) - 1  # code 7
-TABLE_SIZE = ESCAPE  # exponents a channel's table holds
-MIN_WINDOW_TOP = ESCAPE  # base - code never borrows, for any code 0..7: 4 codes subtract as one 32-bit word
-UNSEEN_TOP = 126  # the window of a channel no calibration value reached: exponents 120..126 (|x| near 1/64..1)
-WORD_CHANNELS = 32  # channels whose code bits share a 32-bit plane word
+KV_PAGE_VERSION = 3  # changes whenever a page byte would; tables name the version they were built for
+TILE = 16  # tokens a tile: one k-step of the P·V product, two n-blocks of the Q·Kᵀ product
+CODE_BITS = (3, 4)  # the two codes: 3 bits (8-exponent windows, the densest) or 4 (16, far fewer escapes)
+MAX_TOP = 254  # no window holds exponent 255 (inf, NaN), nor exponent 0 (tops >= the window): those always escape
+UNSEEN_TOP = 127  # the window top of a channel no calibration value reached: |x| up to 2
+HEAD_SIZES = (64, 128)  # D/2 values a lane per tile in 3-word units; escape offsets fit 11 bits
+LANES = 32
+POS_BITS = 11
+TRAILER = 8  # u16 K entries, u16 V entries, u16 K entries in the page, u16 V entries in the page
+RESERVE_STEP = 8  # tile bytes stay a multiple of 16: the reserve (entries) is 4 mod 8
 
 
-def code_bit_positions(head_size: int) -> torch.Tensor:
-    """int64 [D]: where channel c's code bit sits in a row's plane (bit q = byte q // 8, bit q % 8).
+def head_size_supported(head_size: int) -> bool:
+    return head_size in HEAD_SIZES
 
-    In each whole 32-channel word, channel 32k + 4j + b sits at bit 8b + j, so a rotate and a mask give the
-    codes of channels 4j..4j+3 as the four bytes of one word. A tail of fewer than 32 channels (head sizes
-    that are not multiples of 32; the GPU kernels refuse those) keeps the plain order, bit c.
+
+def check_head_size(head_size: int) -> None:
+    if not head_size_supported(head_size):
+        raise UnsupportedModelError(
+            f"head size {head_size}: the KV page code supports head sizes {' and '.join(map(str, HEAD_SIZES))}; "
+            "use GLYD_KV=off for this model")
+
+
+def window(code_bits: int) -> int:
+    """Exponents a channel's window holds: top - window + 1 .. top."""
+    if code_bits not in CODE_BITS:
+        raise ValueError(f"the page code has {' and '.join(map(str, CODE_BITS))}-bit codes, not {code_bits}")
+    return 1 << code_bits
+
+
+def prescaled(code_bits: int) -> int:
+    """The exponent code c decodes to in the kernel's scaled domain: 128 - window + c (120 + c or 112 + c)."""
+    return 128 - window(code_bits)
+
+
+def valid_reserve(entries: int) -> int:
+    """The smallest reserve >= entries that keeps tiles a multiple of 16 bytes (4 mod 8, at least 4)."""
+    entries = max(4, entries)
+    return entries + (4 - entries) % RESERVE_STEP
+
+
+def plane_bytes(head_size: int, code_bits: int = 3) -> tuple[int, int]:
+    """(L plane, hi plane) bytes of one tile's K or V."""
+    return TILE * head_size, TILE * head_size * code_bits // 8
+
+
+def tile_bytes(head_size: int, reserve: int, code_bits: int = 3) -> int:
+    lp, hp = plane_bytes(head_size, code_bits)
+    return 2 * (lp + hp) + TRAILER + 2 * reserve
+
+
+def token_bytes(head_size: int, reserve: int, code_bits: int = 3) -> int:
+    """C: bytes a token and KV head, K and V together; independent of the block size."""
+    tb = tile_bytes(head_size, reserve, code_bits)
+    if tb % TILE:
+        raise ValueError(f"reserve {reserve} does not make whole 16-byte tiles (use valid_reserve)")
+    return tb // TILE
+
+
+# -- fragment order ------------------------------------------------------------------------------------------
+def _h_words(head_size: int, code_bits: int) -> int:
+    return code_bits * head_size // 64  # 32-bit words of hi bits a lane per tile
+
+
+def _word_offsets(head_size: int, code_bits: int) -> torch.Tensor:
+    """int64 [32 lanes, words]: byte offset of each lane's hi word in the hi plane (lane-major 16/8/4-byte chunks)."""
+    nw = _h_words(head_size, code_bits)
+    offs = torch.empty(LANES, nw, dtype=torch.int64)
+    lane = torch.arange(LANES)
+    k, base = 0, 0
+    for size in (4, 2, 1):
+        while nw - k >= size:
+            for i in range(size):
+                offs[:, k + i] = base + lane * 4 * size + 4 * i
+            k += size
+            base += LANES * 4 * size
+    return offs
+
+
+def hi_targets(code_bits: int) -> tuple[int, ...]:
+    """The H-byte bits a value's hi fields fill: the sign (bit 7), then c's bits code_bits - 1 .. 1 (bits 1, 0 or
+    2, 1, 0): H = sign << 7 | (prescaled + c) >> 1, whose other bits are constant (0x3C or 0x38)."""
+    return (7, *range(code_bits - 2, -1, -1))
+
+
+def group_hi_bits(q: int, code_bits: int = 3) -> list[tuple[int, int, int]]:
+    """Where group q's hi bits sit: [(word, rotation, target bits of H it fills)], 1 or 2 pieces.
+
+    3-bit code: a lane's groups come in units of 8 over 3 words: groups 0-2 unrotated in words 0-2 (H bits 7, 1,
+    0 of each byte are word bits 8b+7, 8b+1, 8b), groups 3-5 rotated right by 3 (bits 8b+10, 8b+4, 8b+3), and
+    groups 6 and 7 in the 2 bits a byte the others leave (bits 7 and 0 of H from words 0 and 1 rotated by 6; bit 1
+    from word 2 rotated by 4 and 5). `rot(word, r) & mask | 0x3C3C3C3C` gives the four H bytes.
+    4-bit code: two groups a word, unrotated (bits 8b+7, 8b+2..8b) and rotated by 4; `| 0x38383838`.
     """
-    c = torch.arange(head_size)
-    whole = head_size - head_size % WORD_CHANNELS
-    i = c % WORD_CHANNELS
-    pos = c - i + 8 * (i % 4) + i // 4
-    return torch.where(c < whole, pos, c)
+    if code_bits == 4:
+        return [(q // 2, 4 * (q % 2), 0x87)]
+    u, r = divmod(q, 8)
+    w = 3 * u
+    if r < 3:
+        return [(w + r, 0, 0x83)]
+    if r < 6:
+        return [(w + r - 3, 3, 0x83)]
+    return [(w + r - 6, 6, 0x81), (w + 2, r - 2, 0x02)]
 
 
-def window_tables(bases: torch.Tensor) -> torch.Tensor:
-    """uint8 [...] window tops -> decode tables uint8 [..., 7]: code c stands for base - c."""
-    if bases.numel() and int(bases.min()) < MIN_WINDOW_TOP:
-        raise ValueError(f"a window's top exponent must be at least {MIN_WINDOW_TOP}")
-    codes = torch.arange(TABLE_SIZE, dtype=torch.int16, device=bases.device)
-    return (bases.to(torch.int16).unsqueeze(-1) - codes).to(torch.uint8)
+@functools.lru_cache(maxsize=16)
+def fragment_maps(head_size: int, kv: int, code_bits: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """For K (kv=0) or V (kv=1) of one tile: (o [16, D], hbit [16, D, code_bits]) int64.
+
+    o: the offset of value (t, d)'s L byte in the L plane; hbit: the bit (8 * byte + bit) of its sign and of c's
+    bits code_bits - 1 .. 1 in the hi plane. The fragment of lane 4g + tig (g = lane / 4) holds, per group q of
+    4 values (the registers a0/a2 or a1/a3 of an m16n8k16 A operand):
+      K: token 8(q % 2) + g, channels 16(q / 2) + 2tig + {0, 1, 8, 9}
+      V: channel 16(q / 2) + g + 8(q % 2), tokens 2tig + {0, 1, 8, 9}
+    and its L bytes are lane-major 16-byte chunks: o = (q / 4) * 512 + lane * 16 + (q % 4) * 4 + b.
+    """
+    check_head_size(head_size)
+    d_all = torch.arange(head_size)
+    o = torch.empty(TILE, head_size, dtype=torch.int64)
+    targets_h = hi_targets(code_bits)
+    hbit = torch.empty(TILE, head_size, code_bits, dtype=torch.int64)
+    woff = _word_offsets(head_size, code_bits)
+    for t in range(TILE):
+        for d in d_all.tolist():
+            if kv == 0:
+                nb, g = divmod(t, 8)
+                ks, r = divmod(d, 16)
+                half, r2 = divmod(r, 8)
+                tig, lo = divmod(r2, 2)
+                q, b = 2 * ks + nb, lo + 2 * half
+            else:
+                mb, r = divmod(d, 16)
+                half, g = divmod(r, 8)
+                hi_t, r2 = divmod(t, 8)
+                tig, lo = divmod(r2, 2)
+                q, b = 2 * mb + half, lo + 2 * hi_t
+            lane = 4 * g + tig
+            o[t, d] = (q // 4) * 512 + lane * 16 + (q % 4) * 4 + b
+            targets = {}
+            for word, rot, mask in group_hi_bits(q, code_bits):
+                for p in targets_h:
+                    if mask >> p & 1:  # word bit (8b + p + rot) % 32 of a little-endian word: its plane bit
+                        targets[p] = 8 * int(woff[lane, word]) + ((8 * b + p + rot) % 32)
+            for f, p in enumerate(targets_h):
+                hbit[t, d, f] = targets[p]
+    return o, hbit
 
 
-def window_bases(decode_table: torch.Tensor) -> torch.Tensor:
-    """The tops of window decode tables [..., 7]; ValueError says what is wrong with any other table."""
-    if decode_table.dtype != torch.uint8 or decode_table.shape[-1] != TABLE_SIZE:
-        raise ValueError(f"decode tables must be uint8 [..., {TABLE_SIZE}], not {decode_table.dtype} "
-                         f"{tuple(decode_table.shape)}")
-    bases = decode_table[..., 0]
-    if (bases.numel() and int(bases.min()) < MIN_WINDOW_TOP) or not torch.equal(window_tables(bases), decode_table):
-        raise ValueError("decode tables must be windows (code c = top - c, top >= 7): tables from an older "
-                         "Glyd; rebuild them")
-    return bases
+@functools.lru_cache(maxsize=16)
+def _inverse_o(head_size: int, kv: int) -> torch.Tensor:
+    """int64 [16 * D]: the row-major (t, d) index of each L offset o."""
+    o, _ = fragment_maps(head_size, kv)
+    inv = torch.empty(TILE * head_size, dtype=torch.int64)
+    inv[o.reshape(-1)] = torch.arange(TILE * head_size)
+    return inv
 
 
-def best_windows(counts: torch.Tensor) -> torch.Tensor:
-    """[..., 256] exponent counts -> decode tables [..., 7]: per channel the 7-wide window holding the most."""
+# -- tables ----------------------------------------------------------------------------------------------------
+def best_windows(counts: torch.Tensor, code_bits: int = 3) -> torch.Tensor:
+    """[..., 256] exponent counts -> tops uint8 [...]: per channel the window (8 or 16 wide) holding the most."""
+    w = window(code_bits)
     c = torch.nn.functional.pad(counts.to(torch.int64).cumsum(-1), (1, 0))  # c[..., i] = counts below i
-    tops = torch.arange(MIN_WINDOW_TOP, 256, device=counts.device)
-    held = c[..., tops + 1] - c[..., tops + 1 - TABLE_SIZE]
+    tops = torch.arange(w, MAX_TOP + 1, device=counts.device)
+    held = c[..., tops + 1] - c[..., tops + 1 - w]
     # ties go to the highest top: exponents above a calibration's range are likelier than below it
     best = tops[(held.shape[-1] - 1) - torch.argmax(held.flip(-1), dim=-1)]
     best = torch.where(c[..., -1] > 0, best, UNSEEN_TOP)  # a channel with no counts: values near 1.0
-    return window_tables(best.to(torch.uint8))
+    return best.to(torch.uint8)
 
 
-def default_escapes(head_size: int) -> int:
-    """Escape bytes reserved per token when no calibration says otherwise: 3 per 64 values."""
-    return max(1, (3 * head_size + 63) // 64)
+def check_tops(tops: torch.Tensor, code_bits: int = 3) -> None:
+    if tops.dtype != torch.uint8:
+        raise ValueError(f"window tops must be uint8, not {tops.dtype}")
+    w = window(code_bits)
+    if tops.numel() and (int(tops.min()) < w or int(tops.max()) > MAX_TOP):
+        raise ValueError(f"window tops must lie in {w}..{MAX_TOP} (no window may hold exponent 0 or 255)")
 
 
+# -- layout ------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class KVPageLayout:
+    """A page: block_size / 16 tiles; a tile: [K L][V L][K hi][V hi][trailer][escape list of `reserve` u16]."""
+
     head_size: int
     block_size: int
-    k_escapes: int
-    v_escapes: int
+    reserve: int  # escape-list entries a tile, K and V together
+    code_bits: int = 3
 
     def __post_init__(self) -> None:
-        if self.head_size % 8 or self.head_size <= 0:
-            raise UnsupportedModelError(f"head size {self.head_size} is not a multiple of 8: the KV page code "
-                                        "needs whole bytes of codes; use GLYD_KV=off for this model")
-        if self.block_size <= 0 or self.k_escapes < 0 or self.v_escapes < 0:
-            raise ValueError("bad page layout")
+        check_head_size(self.head_size)
+        window(self.code_bits)
+        if self.block_size <= 0 or self.block_size % TILE:
+            raise ValueError(f"block size {self.block_size}: KV pages need a multiple of {TILE}")
+        if self.reserve != valid_reserve(self.reserve):
+            raise ValueError(f"reserve {self.reserve} must be 4 mod 8 (whole 16-byte tiles)")
 
     @property
-    def code_bytes(self) -> int:
-        return CODE_BITS * self.head_size // 8
+    def tiles(self) -> int:
+        return self.block_size // TILE
 
     @property
     def token_bytes(self) -> int:
-        """C: bytes per token per KV head, K and V together; independent of the block size."""
-        return token_bytes(self.head_size, self.k_escapes, self.v_escapes)
+        return token_bytes(self.head_size, self.reserve, self.code_bits)
+
+    @property
+    def tile_bytes(self) -> int:
+        return tile_bytes(self.head_size, self.reserve, self.code_bits)
 
     @property
     def page_bytes(self) -> int:
-        return self.block_size * self.token_bytes
+        return self.tiles * self.tile_bytes
 
-    def sm_offset(self, kv: int) -> int:
-        return kv * self.block_size * self.head_size
+    def l_offset(self, kv: int) -> int:
+        return kv * plane_bytes(self.head_size, self.code_bits)[0]
 
-    def code_offset(self, kv: int) -> int:
-        return 2 * self.block_size * self.head_size + kv * self.block_size * self.code_bytes
+    def h_offset(self, kv: int) -> int:
+        lp, hp = plane_bytes(self.head_size, self.code_bits)
+        return 2 * lp + kv * hp
 
-    def esc_offset(self, kv: int) -> int:
-        base = 2 * self.block_size * (self.head_size + self.code_bytes)
-        return base + (0 if kv == 0 else self.block_size * self.k_escapes)
+    @property
+    def trailer_offset(self) -> int:
+        lp, hp = plane_bytes(self.head_size, self.code_bits)
+        return 2 * (lp + hp)
 
-    def reserve(self, kv: int) -> int:
-        """Escape bytes in one page for K (kv=0) or V (kv=1)."""
-        return self.block_size * (self.k_escapes if kv == 0 else self.v_escapes)
+    @property
+    def list_offset(self) -> int:
+        return self.trailer_offset + TRAILER
 
-    def bits_per_value(self, kv: int) -> float:
-        e = self.k_escapes if kv == 0 else self.v_escapes
-        return 8 * (self.head_size + self.code_bytes + e) / self.head_size
-
-
-def token_bytes(head_size: int, k_escapes: int, v_escapes: int) -> int:
-    return 2 * (head_size + CODE_BITS * head_size // 8) + k_escapes + v_escapes
+    def bits_per_value(self) -> float:
+        return 8 * self.token_bytes / (2 * self.head_size)
 
 
-def encode_table(decode_table: torch.Tensor) -> torch.Tensor:
-    """[..., 7] code -> exponent  =>  [..., 256] exponent -> code (ESCAPE where absent)."""
-    lead = decode_table.shape[:-1]
-    dec = decode_table.reshape(-1, TABLE_SIZE).to(torch.int64)
-    enc = torch.full((dec.shape[0], 256), ESCAPE, dtype=torch.uint8)
-    rows = torch.arange(dec.shape[0]).unsqueeze(1).expand_as(dec)
-    codes = torch.arange(TABLE_SIZE, dtype=torch.uint8).expand_as(dec)
-    # Reversed so that, were an exponent listed twice, the first code wins.
-    enc[rows.flip(1), dec.flip(1)] = codes.flip(1)
-    return enc.reshape(*lead, 256)
-
-
-def _pack_codes(codes: torch.Tensor) -> torch.Tensor:
-    """[..., D] codes (0..7) -> [..., 3, D/8] bit-plane bytes."""
-    d = codes.shape[-1]
-    by_bit = torch.empty_like(codes, dtype=torch.int32)
-    by_bit[..., code_bit_positions(d)] = codes.to(torch.int32)  # code at its bit position
-    c = by_bit.reshape(*codes.shape[:-1], d // 8, 8)
-    weights = (1 << torch.arange(8, dtype=torch.int32))
-    planes = [(((c >> p) & 1) * weights).sum(-1) for p in range(CODE_BITS)]
-    return torch.stack(planes, dim=-2).to(torch.uint8)
-
-
-_BITS = ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).to(torch.uint8)  # byte -> its 8 bits
-
-
-def _unpack_codes(planes: torch.Tensor) -> torch.Tensor:
-    """[..., 3, D/8] bit-plane bytes -> [..., D] codes (int64)."""
-    bits = _BITS[planes.to(torch.int64)]  # [..., 3, D/8, 8]
-    by_bit = bits[..., 0, :, :] | (bits[..., 1, :, :] << 1) | (bits[..., 2, :, :] << 2)
-    d = planes.shape[-1] * 8
-    return by_bit.reshape(*planes.shape[:-2], d)[..., code_bit_positions(d)].to(torch.int64)
-
-
-OVERFLOW_MIN_RUN = 16  # bytes: the smallest overflow run; runs double as a page's overflow grows
+# -- overflow ----------------------------------------------------------------------------------------------------
+OVERFLOW_MIN_RUN = 8  # entries: the smallest overflow run; runs double as a tile's overflow grows
 
 
 @dataclass
 class OverflowStore:
-    """Escapes past a page's reserve: one run of bytes per (block, head, K/V) in a shared arena.
+    """Escape entries past a tile's list: one run of u16 entries per (tile, head, K/V) in a shared arena.
 
-    `ptr[block, head, kv]` is an int32: -1 (no run) or `(offset // 16) << 4 | log2(capacity // 16)`, 4 bytes
-    a page and K/V. Escape j >= reserve of a page is arena byte `offset + j - reserve`. A run is taken when
-    a page first overflows, moved to a run twice the size when it fills, and given back when its block is
-    rewritten from offset 0 (runs belong to the block id, as vLLM's pages do). The arena grows when no
-    free run fits: rare prompts cost memory outside the pages, never data. `grows` counts those events.
+    Tiles are numbered block * (block_size / 16) + tile. `ptr[tile, head, kv]` is an int32: -1 (no run) or
+    `(offset // 8) << 4 | log2(capacity // 8)`, in entries; entry i past the tile's in-page count is arena
+    entry `offset + i`. A run is taken on a tile's first overflow, moved to one twice the size when it fills,
+    and given back when its tile is rewritten from token 0 (runs belong to the tile, as vLLM's pages do to
+    the block id). The arena grows when no free run fits: rare prompts cost memory outside the pages, never
+    data. `grows` counts those events.
     """
 
-    num_blocks: int
+    num_tiles: int
     num_heads: int
-    initial_bytes: int = 0
+    initial_entries: int = 0
+    device: torch.device | str = "cpu"
     ptr: torch.Tensor = field(init=False)
     arena: torch.Tensor = field(init=False)
     free: dict[int, list[int]] = field(init=False)
@@ -193,16 +287,15 @@ class OverflowStore:
     values_written: int = 0
 
     def __post_init__(self) -> None:
-        self.ptr = torch.full((self.num_blocks, self.num_heads, 2), -1, dtype=torch.int32)
-        # whole runs, so the arena stays a multiple of 16 bytes (the GPU kernels read it as 32-bit words)
-        self.initial_bytes = -(-self.initial_bytes // OVERFLOW_MIN_RUN) * OVERFLOW_MIN_RUN
-        self.arena = torch.zeros(self.initial_bytes, dtype=torch.uint8)
+        self.ptr = torch.full((self.num_tiles, self.num_heads, 2), -1, dtype=torch.int32, device=self.device)
+        n = -(-self.initial_entries // OVERFLOW_MIN_RUN) * OVERFLOW_MIN_RUN
+        self.arena = torch.zeros(n, dtype=torch.int16, device=self.device)
         self.free = {}
         self._top = 0
 
     @staticmethod
     def unpack(ptr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(offset, capacity) in bytes, int64; capacity 0 where there is no run."""
+        """(offset, capacity) in entries, int64; offset -1 and capacity 0 where there is no run."""
         p = ptr.to(torch.int64)
         has = p >= 0
         offset = torch.where(has, (p >> 4) * OVERFLOW_MIN_RUN, torch.full_like(p, -1))
@@ -211,58 +304,53 @@ class OverflowStore:
 
     @property
     def bytes_held(self) -> int:
-        """Arena bytes owned by pages now (what overflow costs), runs rounded up to powers of 2."""
-        return int(self.unpack(self.ptr)[1].sum())
-
-    def bytes_held_kv(self, kv: int) -> int:
-        return int(self.unpack(self.ptr[..., kv])[1].sum())
+        """Arena bytes owned by tiles now (what overflow costs), runs rounded up to powers of 2."""
+        return 2 * int(self.unpack(self.ptr)[1].sum())
 
     @property
     def nbytes(self) -> int:
         """The pointer table plus the arena."""
-        return 4 * self.ptr.numel() + self.arena.numel()
+        return 4 * self.ptr.numel() + 2 * self.arena.numel()
 
     @property
     def runs_in_use(self) -> int:
         return int((self.ptr >= 0).sum())
 
-    def release(self, blocks: torch.Tensor) -> None:
-        """Give back every run of these blocks (they are being rewritten from offset 0)."""
-        offset, capacity = self.unpack(self.ptr[blocks])
+    def release(self, tiles: torch.Tensor) -> None:
+        """Give back every run of these tiles (they are being rewritten from token 0)."""
+        offset, capacity = self.unpack(self.ptr[tiles])
         held = offset >= 0
         for off, cap in zip(offset[held].tolist(), capacity[held].tolist(), strict=True):
             self.free.setdefault(int(cap), []).append(int(off))
-        self.ptr[blocks] = -1
+        self.ptr[tiles] = -1
 
-    def reserve_bytes(self, blocks: torch.Tensor, heads: torch.Tensor, kv: int, need: torch.Tensor) -> torch.Tensor:
-        """Make each (block, head) hold at least `need` bytes; returns their offsets (int64).
-
-        Entries may repeat a page: each page is grown once, to its largest need in the batch.
-        """
-        key = blocks * self.num_heads + heads
+    def reserve_entries(self, tiles: torch.Tensor, heads: torch.Tensor, kv: int, need: torch.Tensor
+                        ) -> torch.Tensor:
+        """Make each (tile, head) run hold at least `need` entries (repeats allowed); their offsets (int64)."""
+        key = tiles.to(torch.int64) * self.num_heads + heads.to(torch.int64)
         pages, inverse = torch.unique(key, return_inverse=True)
         most = torch.zeros(pages.numel(), dtype=torch.int64, device=need.device)
-        most.scatter_reduce_(0, inverse, need, "amax", include_self=False)
-        pb, ph = pages // self.num_heads, pages % self.num_heads
-        old_off, cap = self.unpack(self.ptr[pb, ph, kv])
+        most.scatter_reduce_(0, inverse, need.to(torch.int64), "amax", include_self=False)
+        pt, ph = pages // self.num_heads, pages % self.num_heads
+        old_off, cap = self.unpack(self.ptr[pt, ph, kv])
         short = (cap < most).nonzero().flatten().tolist()
-        for b, h, n, off, c in zip(pb[short].tolist(), ph[short].tolist(), most[short].tolist(),
+        for t, h, n, off, c in zip(pt[short].tolist(), ph[short].tolist(), most[short].tolist(),
                                    old_off[short].tolist(), cap[short].tolist(), strict=True):
             size = max(OVERFLOW_MIN_RUN, 1 << (n - 1).bit_length())
             new = self._take(size)
             if c:
                 self.arena[new : new + c] = self.arena[off : off + c]
                 self.free.setdefault(c, []).append(off)
-            self.ptr[b, h, kv] = (new // OVERFLOW_MIN_RUN) << 4 | (size // OVERFLOW_MIN_RUN).bit_length() - 1
-        return self.unpack(self.ptr[blocks, heads, kv])[0]
+            self.ptr[t, h, kv] = (new // OVERFLOW_MIN_RUN) << 4 | (size // OVERFLOW_MIN_RUN).bit_length() - 1
+        return self.unpack(self.ptr[tiles, heads, kv])[0]
 
     def _take(self, size: int) -> int:
         runs = self.free.get(size)
         if runs:
             return runs.pop()
         if self._top + size > self.arena.numel():
-            grow = max(self._top + size - self.arena.numel(), self.arena.numel(), 4096)
-            self.arena = torch.cat([self.arena, torch.zeros(grow, dtype=torch.uint8, device=self.arena.device)])
+            grow = max(self._top + size - self.arena.numel(), self.arena.numel(), 2048)
+            self.arena = torch.cat([self.arena, torch.zeros(grow, dtype=torch.int16, device=self.arena.device)])
             self.grows += 1
         self._top += size
         return self._top - size
@@ -275,39 +363,44 @@ class WriteStats:
     overflow: int = 0
 
 
-class KVPageCodec:
-    """Encode/decode one attention layer's pages with that layer's tables (torch reference, any device).
+# -- codec -------------------------------------------------------------------------------------------------------
+_U16 = 0xFFFF
 
-    `decode_table` is uint8[2, H, D, 7]: for K (0) and V (1), each KV head and channel, the exponent that
-    code c stands for (windows: `window_tables`).
+
+def _u16(x: torch.Tensor) -> torch.Tensor:
+    """int64 values 0..65535 -> int16 bit patterns."""
+    return torch.where(x >= 0x8000, x - 0x10000, x).to(torch.int16)
+
+
+class KVPageCodec:
+    """Encode/decode one attention layer's pages with that layer's window tops (torch reference, any device).
+
+    `tops` is uint8 [2, H, D]: for K (0) and V (1), each KV head and channel, the top of its 8-exponent window.
+    `cache` arguments are [num_blocks, H, page_bytes] uint8 (any view of vLLM's tensor with that shape).
     """
 
-    def __init__(self, layout: KVPageLayout, decode_table: torch.Tensor) -> None:
-        two, heads, d, t = decode_table.shape
-        if two != 2 or d != layout.head_size or t != TABLE_SIZE:
-            raise ValueError(f"decode table shape {tuple(decode_table.shape)} does not fit {layout}")
-        self.bases = window_bases(decode_table)
+    def __init__(self, layout: KVPageLayout, tops: torch.Tensor) -> None:
+        two, heads, d = tops.shape
+        if two != 2 or d != layout.head_size:
+            raise ValueError(f"window tops of shape {tuple(tops.shape)} do not fit {layout}")
+        check_tops(tops, layout.code_bits)
         self.layout = layout
+        self.tops = tops
         self.num_heads = heads
-        self.dec = torch.cat([decode_table, torch.zeros(2, heads, d, 1, dtype=torch.uint8)], dim=-1)
-        self.enc = encode_table(decode_table)
         self.stats = WriteStats()
 
     def new_cache(self, num_blocks: int) -> torch.Tensor:
         return torch.zeros(num_blocks, self.num_heads, self.layout.page_bytes, dtype=torch.uint8)
 
     def new_overflow(self, num_blocks: int) -> OverflowStore:
-        return OverflowStore(num_blocks, self.num_heads)
+        return OverflowStore(num_blocks * self.layout.tiles, self.num_heads)
 
-    # -- write -------------------------------------------------------------------------------------
+    # -- write -----------------------------------------------------------------------------------------------
     def write(self, cache: torch.Tensor, overflow: OverflowStore, key: torch.Tensor, value: torch.Tensor,
               slots: torch.Tensor) -> None:
-        """Append tokens: key/value [T, H, D] bf16 at `slots` (block * B + offset; -1 is padding).
-
-        `cache` is [num_blocks, H, page_bytes] uint8 (any view of vLLM's tensor with that shape).
-        """
+        """Append tokens: key/value [T, H, D] bf16 at `slots` (block * B + offset; -1 is padding)."""
         lay = self.layout
-        B, D, H = lay.block_size, lay.head_size, self.num_heads
+        D, H = lay.head_size, self.num_heads
         slots = slots.to(torch.int64)
         keep = slots >= 0
         if not bool(keep.all()):
@@ -316,96 +409,198 @@ class KVPageCodec:
             return
         slots, order = torch.sort(slots, stable=True)
         key, value = key[order], value[order]
-        blk, off = slots // B, slots % B
-        ublk, inverse = torch.unique_consecutive(blk, return_inverse=True)
-        first = torch.zeros(ublk.numel(), dtype=torch.int64)
-        first.scatter_reduce_(0, inverse, off, reduce="amin", include_self=False)
-        restarted = ublk[first == 0]
+        blk, off = slots // lay.block_size, slots % lay.block_size
+        tile = blk * lay.tiles + off // TILE  # global tile id
+        t_in = off % TILE
+        utile, inverse = torch.unique_consecutive(tile, return_inverse=True)
+        first = torch.full((utile.numel(),), TILE, dtype=torch.int64)
+        first.scatter_reduce_(0, inverse, t_in, reduce="amin", include_self=True)
+        restarted = utile[first == 0]
         if restarted.numel():
             overflow.release(restarted)
+        tiles = cache.view(-1, H, lay.tiles, lay.tile_bytes)
+        blk_u, sub_u = utile // lay.tiles, utile % lay.tiles
+        work = tiles[blk_u, :, sub_u].clone()  # the touched tiles [U, H, tile_bytes], written back at the end
+        U = utile.numel()
         heads = torch.arange(H)
-        rows = torch.arange(B)
+        # Old counts (zero for restarted tiles).
+        tr = lay.trailer_offset
+        cnt = work[:, :, tr : tr + TRAILER].contiguous().view(torch.int16).to(torch.int64) & _U16  # [U, H, 4]
+        cnt = torch.where((first == 0).view(U, 1, 1), torch.zeros_like(cnt), cnt)
+        n_tot = cnt[..., 0:2].clone()  # [U, H, kv]: entries so far
+        n_in = cnt[..., 2:4].clone()  # entries in the page
+        entries_by_kv = []
+        cb = lay.code_bits
+        w = window(cb)
         for kv, x in ((0, key), (1, value)):
-            exp, sm = bf16.split(x)  # [T, H, D]
-            exp = exp.to(torch.int64)
-            codes = torch.take(self.enc[kv], (heads.view(1, H, 1) * D + torch.arange(D)) * 256 + exp)
-            flags = (codes == ESCAPE).to(torch.int64)
-            n_tok = flags.sum(-1)  # [T, H]
-            # Escapes already in the page before the first row written now.
-            co = lay.code_offset(kv)
-            old = cache[ublk][:, :, co : co + B * lay.code_bytes].reshape(-1, H, B, CODE_BITS, D // 8)
-            old_rows = (_unpack_codes(old) == ESCAPE).sum(-1)  # [U, H, B]
-            base = (old_rows * (rows.view(1, 1, B) < first.view(-1, 1, 1))).sum(-1)  # [U, H]
-            cum = torch.cumsum(n_tok, 0) - n_tok
-            group_start = torch.zeros_like(base)
-            group_start.scatter_reduce_(0, inverse.view(-1, 1).expand_as(cum), cum, reduce="amin",
-                                        include_self=False)
-            rank_tok = base[inverse] + cum - group_start[inverse]  # [T, H]
-            rank = rank_tok.unsqueeze(-1) + torch.cumsum(flags, -1) - flags  # [T, H, D]
-            # Rows of sign/mantissa and code planes.
-            so = lay.sm_offset(kv)
-            tok_idx = blk.view(-1, 1, 1)
-            head_idx = heads.view(1, H, 1)
-            cache[tok_idx, head_idx, so + off.view(-1, 1, 1) * D + torch.arange(D)] = sm
-            cb = lay.code_bytes
-            cache[tok_idx, head_idx, co + off.view(-1, 1, 1) * cb + torch.arange(cb)] = (
-                _pack_codes(codes).reshape(-1, H, cb))
-            # Escapes: in the page up to its reserve, the rest in the block's overflow run.
-            t_i, h_i, d_i = flags.nonzero(as_tuple=True)
-            self.stats.values += codes.numel()
-            if t_i.numel() == 0:
-                continue
-            r = rank[t_i, h_i, d_i]
-            e = exp[t_i, h_i, d_i].to(torch.uint8)
-            res = lay.reserve(kv)
-            inside = r < res
-            eo = lay.esc_offset(kv)
-            cache[blk[t_i[inside]], h_i[inside], eo + r[inside]] = e[inside]
+            e, sm = bf16.split(x)  # [T, H, D]
+            e = e.to(torch.int64)
+            s, m = (sm.to(torch.int64) >> 7) & 1, sm.to(torch.int64) & 0x7F
+            low = self.tops[kv].to(torch.int64).unsqueeze(0) - (w - 1)  # [1, H, D]
+            c = e - low
+            esc = (c < 0) | (c >= w)
+            c = torch.where(esc, e & (w - 1), c)
+            lbyte = ((c & 1) << 7) | m
+            hi = torch.stack([s, *((c >> j) & 1 for j in range(cb - 1, 0, -1))], -1)  # [T, H, D, code_bits]
+            o, hbit = fragment_maps(D, kv, cb)
+            # L bytes
+            lo = lay.l_offset(kv)
+            row = inverse.view(-1, 1, 1).expand(-1, H, D)
+            hh = heads.view(1, H, 1).expand_as(row)
+            pos = lo + o[t_in].unsqueeze(1).expand(-1, H, -1)  # [T, H, D]
+            work[row, hh, pos] = lbyte.to(torch.uint8)
+            # hi bits: several values share a byte, so set them through a bit-level view of the plane
+            ho, hp = lay.h_offset(kv), plane_bytes(D, cb)[1]
+            bits = hbit[t_in].unsqueeze(1).expand(-1, H, -1, -1)  # [T, H, D, 3]
+            plane = work[:, :, ho : ho + hp].to(torch.int64)
+            pbits = ((plane.unsqueeze(-1) >> torch.arange(8)) & 1).reshape(U, H, -1)
+            pbits[row.unsqueeze(-1).expand_as(bits), hh.unsqueeze(-1).expand_as(bits), bits] = hi
+            work[:, :, ho : ho + hp] = (pbits.view(U, H, hp, 8) << torch.arange(8)).sum(-1).to(torch.uint8)
+            # escape entries, in (token, channel) order per tile and head
+            t_i, h_i, d_i = esc.nonzero(as_tuple=True)  # token-major, then head, then channel
+            self.stats.values += c.numel()
             self.stats.escapes += int(t_i.numel())
-            out = ~inside
-            if bool(out.any()):
-                ob, oh, orank = blk[t_i[out]], h_i[out], r[out] - res
-                offsets = overflow.reserve_bytes(ob, oh, kv, orank + 1)
-                overflow.arena[offsets + orank] = e[out]
-                overflow.values_written += int(out.sum())
-                self.stats.overflow += int(out.sum())
+            ent = o[t_in[t_i], d_i] | ((e[t_i, h_i, d_i] >> cb) << POS_BITS)
+            entries_by_kv.append((inverse[t_i], h_i, t_in[t_i], d_i, ent))
+        self._append_entries(work, overflow, utile, n_tot, n_in, entries_by_kv)
+        cnt = torch.cat([n_tot, n_in], -1)
+        work[:, :, tr : tr + TRAILER] = _u16(cnt).view(torch.uint8).view(U, H, TRAILER)
+        tiles[blk_u, :, sub_u] = work
 
-    # -- read --------------------------------------------------------------------------------------
+    def _append_entries(self, work: torch.Tensor, overflow: OverflowStore, utile: torch.Tensor,
+                        n_tot: torch.Tensor, n_in: torch.Tensor, entries_by_kv: list) -> None:
+        """Give each new entry its slot: in token order, K's before V's, in the page while the list has room
+        (K from its start, V from its end), then in the tile's overflow run."""
+        lay = self.layout
+        R = lay.reserve
+        lst = lay.list_offset
+        U, H = n_tot.shape[:2]
+        # merge K and V entries into one stream ordered by (tile, head, token, kv, channel)
+        parts = []
+        for kv, (u, h, t, d, ent) in enumerate(entries_by_kv):
+            parts.append(torch.stack([u, h, t, torch.full_like(u, kv), d, ent], 1))
+        allv = torch.cat(parts, 0)
+        if allv.numel() == 0:
+            return
+        key = ((allv[:, 0] * H + allv[:, 1]) * TILE + allv[:, 2]) * 2 + allv[:, 3]
+        key = key * 256 + allv[:, 4]
+        allv = allv[torch.argsort(key, stable=True)]
+        u, h, kv, ent = allv[:, 0], allv[:, 1], allv[:, 3], allv[:, 5]
+        grp = u * H + h
+        # rank of each entry within its (tile, head), and within its (tile, head, kv)
+        _, grp_start = torch.unique_consecutive(grp, return_counts=True)
+        starts = torch.repeat_interleave(torch.cumsum(grp_start, 0) - grp_start, grp_start)
+        rank = torch.arange(grp.numel()) - starts
+        is_v = kv
+        cum_v = torch.cumsum(is_v, 0) - is_v
+        cum_v = cum_v - cum_v[starts]  # V entries before this one in its (tile, head)
+        cum_k = rank - cum_v
+        base_tot = n_tot[u, h]  # [N, 2]
+        base_in = n_in[u, h]
+        full_before = (base_in.sum(-1) >= R) | (base_tot != base_in).any(-1)  # list already full
+        free = R - base_in.sum(-1)
+        # an entry goes in the page iff the list had room for every new entry before it and for it
+        in_page = (~full_before) & (rank < free)
+        idx_kind = torch.where(is_v.bool(), base_tot[:, 1] + cum_v, base_tot[:, 0] + cum_k)  # entry index in kind
+        in_kind = torch.where(is_v.bool(), base_in[:, 1], base_in[:, 0])
+        cum_in_k = torch.cumsum(in_page & ~is_v.bool(), 0) - (in_page & ~is_v.bool()).long()
+        cum_in_v = torch.cumsum(in_page & is_v.bool(), 0) - (in_page & is_v.bool()).long()
+        cum_in_k = cum_in_k - cum_in_k[starts]
+        cum_in_v = cum_in_v - cum_in_v[starts]
+        slot = torch.where(is_v.bool(), R - 1 - (base_in[:, 1] + cum_in_v), base_in[:, 0] + cum_in_k)
+        if bool(in_page.any()):
+            sel = in_page
+            pos = lst + 2 * slot[sel]
+            val = _u16(ent[sel]).view(torch.uint8).view(-1, 2).to(torch.uint8)
+            work[u[sel], h[sel], pos] = val[:, 0]
+            work[u[sel], h[sel], pos + 1] = val[:, 1]
+        out = ~in_page
+        if bool(out.any()):
+            # overflow index within kind = entry index - entries of that kind in the page
+            n_in_kind_final = in_kind + torch.where(is_v.bool(), cum_in_v, cum_in_k)
+            oidx = idx_kind - n_in_kind_final
+            for k in (0, 1):
+                sel = out & (kv == k)
+                if bool(sel.any()):
+                    offs = overflow.reserve_entries(utile[u[sel]], h[sel], k, oidx[sel] + 1)
+                    overflow.arena[offs + oidx[sel]] = _u16(ent[sel])
+            overflow.values_written += int(out.sum())
+            self.stats.overflow += int(out.sum())
+        # new counts
+        for k in (0, 1):
+            selk = kv == k
+            n_tot[..., k].index_put_((u[selk], h[selk]), torch.ones(int(selk.sum()), dtype=torch.int64),
+                                     accumulate=True)
+            seli = selk & in_page
+            n_in[..., k].index_put_((u[seli], h[seli]), torch.ones(int(seli.sum()), dtype=torch.int64),
+                                    accumulate=True)
+
+    # -- read ------------------------------------------------------------------------------------------------
     def read(self, cache: torch.Tensor, overflow: OverflowStore, blocks: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """Decode whole pages: (K, V), each [N, H, B, D] bf16. Rows past a page's fill are garbage."""
         lay = self.layout
-        B, D, H = lay.block_size, lay.head_size, self.num_heads
+        D, H, nt = lay.head_size, self.num_heads, lay.tiles
         blocks = blocks.to(torch.int64)
-        pages = cache[blocks]  # [N, H, page_bytes]
         n = blocks.numel()
-        heads = torch.arange(H)
-        out = []
-        for kv in (0, 1):
-            so, co, eo = lay.sm_offset(kv), lay.code_offset(kv), lay.esc_offset(kv)
-            sm = pages[:, :, so : so + B * D].reshape(n, H, B, D)
-            codes = _unpack_codes(pages[:, :, co : co + B * lay.code_bytes].reshape(n, H, B, CODE_BITS, D // 8))
-            exp = torch.take(self.dec[kv], (heads.view(1, H, 1, 1) * D + torch.arange(D)) * (TABLE_SIZE + 1)
-                             + codes)
-            flags = (codes == ESCAPE).reshape(n, H, B * D)
-            f64 = flags.to(torch.int64)
-            rank = torch.cumsum(f64, -1) - f64
-            res = lay.reserve(kv)
-            esc = pages[:, :, eo : eo + res].to(torch.int64)  # [N, H, res]
-            flat_exp = exp.reshape(n, H, B * D)
-            in_page = flags & (rank < res)
-            if res:
-                got = torch.gather(esc, 2, torch.clamp(rank, max=res - 1))
-                flat_exp = torch.where(in_page, got.to(flat_exp.dtype), flat_exp)
-            past = flags & (rank >= res)
-            if bool(past.any()):
-                n_i, h_i, v_i = past.nonzero(as_tuple=True)
-                idx = rank[n_i, h_i, v_i] - res
-                base, cap = overflow.unpack(overflow.ptr[blocks[n_i], h_i, kv])
-                # Rows past a page's fill may point past its run or nowhere: they are garbage anyway.
-                ok = (base >= 0) & (idx < cap)
-                vals = torch.zeros(n_i.numel(), dtype=torch.uint8)
-                vals[ok] = overflow.arena[base[ok] + idx[ok]]
-                flat_exp[n_i, h_i, v_i] = vals.to(flat_exp.dtype)
-            out.append(bf16.join(flat_exp.reshape(n, H, B, D), sm))
-        return out[0], out[1]
+        tiles = cache[blocks].view(n, H, nt, lay.tile_bytes).transpose(1, 2).reshape(n * nt, H, lay.tile_bytes)
+        tile_ids = (blocks.view(-1, 1) * nt + torch.arange(nt)).reshape(-1)
+        k, v = decode_tiles(tiles, tile_ids, self.tops, lay, overflow)  # [N*nt, H, 16, D]
+        shape = lambda x: x.view(n, nt, H, TILE, D).transpose(1, 2).reshape(n, H, nt * TILE, D)  # noqa: E731
+        return shape(k), shape(v)
+
+
+def decode_tiles(tiles: torch.Tensor, tile_ids: torch.Tensor, tops: torch.Tensor, lay: KVPageLayout,
+                 overflow: OverflowStore | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """tiles [N, H, tile_bytes] uint8 -> (K, V) [N, H, 16, D] bf16; `tile_ids` name their overflow runs."""
+    n, H, _ = tiles.shape
+    D = lay.head_size
+    R = lay.reserve
+    tr = lay.trailer_offset
+    cnt = tiles[:, :, tr : tr + TRAILER].contiguous().view(torch.int16).to(torch.int64) & _U16  # [N, H, 4]
+    lst = tiles[:, :, lay.list_offset : lay.list_offset + 2 * R].contiguous().view(torch.int16).to(
+        torch.int64) & _U16  # [N, H, R]
+    cb = lay.code_bits
+    w, keep = window(cb), 0x8000 | ((window(cb) - 1) << 7) | 0x7F  # sign, c's place in the exponent, mantissa
+    out = []
+    for kv in (0, 1):
+        o, hbit = fragment_maps(D, kv, cb)
+        lo, ho = lay.l_offset(kv), lay.h_offset(kv)
+        lb = tiles[:, :, lo + o.reshape(-1)].to(torch.int64).view(n, H, TILE, D)
+        hb = tiles[:, :, ho + (hbit // 8).reshape(-1)].to(torch.int64).view(n, H, TILE, D, cb)
+        hv = (hb >> (hbit % 8).view(1, 1, TILE, D, cb)) & 1
+        s, c = hv[..., 0], lb >> 7
+        for f in range(1, cb):
+            c = c | (hv[..., f] << (cb - f))
+        e = tops[kv].to(torch.int64).view(1, H, 1, D) - (w - 1) + c
+        bits = (s << 15) | (e << 7) | (lb & 0x7F)  # [N, H, 16, D]
+        scaled = ((s << 15) | ((prescaled(cb) + c) << 7) | (lb & 0x7F)).view(n, H, TILE * D)  # the kernel's value
+        # escapes: the page's list (K from the start, V from the end), then the overflow run
+        n_tot, n_in = cnt[..., kv].clamp(max=TILE * D), cnt[..., 2 + kv]  # garbage counts of unwritten tiles
+        slots = torch.arange(R)
+        if kv == 1:
+            slots = R - 1 - slots
+        ents = lst[:, :, slots]  # [N, H, R] in entry order
+        ok = torch.arange(R).view(1, 1, R) < n_in.clamp(max=R).unsqueeze(-1)
+        ent_list = [(ents, ok)]
+        if overflow is not None and bool((n_tot > n_in).any()):
+            more = int((n_tot - n_in).clamp(min=0).max())
+            base, cap = OverflowStore.unpack(overflow.ptr[tile_ids].to(tiles.device)[..., kv])  # [N, H]
+            j = torch.arange(more)
+            idx = base.unsqueeze(-1) + j
+            good = (j < (n_tot - n_in).unsqueeze(-1)) & (j < cap.unsqueeze(-1)) & (base.unsqueeze(-1) >= 0)
+            arena = overflow.arena.to(torch.int64) & _U16
+            vals = torch.where(good, arena[idx.clamp(0, max(0, arena.numel() - 1))] if arena.numel() else
+                               torch.zeros_like(idx), torch.zeros_like(idx))
+            ent_list.append((vals, good))
+        flat = bits.view(n, H, TILE * D)
+        inv = _inverse_o(D, kv)
+        for ents, good in ent_list:
+            if not bool(good.any()):
+                continue
+            ni, hi_, ji = good.nonzero(as_tuple=True)
+            ent = ents[ni, hi_, ji]
+            idx = inv[(ent & ((1 << POS_BITS) - 1)) % (TILE * D)]  # in range even for a tile nobody wrote
+            flat[ni, hi_, idx] = (scaled[ni, hi_, idx] & keep) | ((ent >> POS_BITS) << (7 + cb))
+        out.append(_u16(bits.view(n, H, TILE, D)).view(torch.bfloat16))
+    return out[0], out[1]

@@ -20,7 +20,7 @@ import torch
 from glyd_engine import paths
 from glyd_engine.errors import CorruptFileError
 from glyd_engine.format import bf16
-from glyd_engine.format.kv_page import best_windows
+from glyd_engine.format.kv_page import CODE_BITS, TILE, best_windows, check_head_size, valid_reserve, window
 from glyd_engine.model_shape import AttentionShape
 from glyd_engine.progress import CancelToken, PhaseTimer, ProgressCallback, no_progress
 from glyd_engine.tables.kv_tables import KVTables
@@ -30,7 +30,7 @@ log = logging.getLogger("glyd.tables")
 JOB = "kv-tables"
 SEQ_LEN = 512  # tokens a forward pass; positions still span the whole window (see capture.py)
 TOKENS = 24 * 1024  # calibration tokens a build reads by default
-RESERVE_MARGIN = 1.0  # escape bytes reserved a token = ceil(margin x mean escapes a token); see docs
+RESERVE_SIGMAS = 1.0  # escape-list entries a tile = mean + this many standard deviations (Poisson); see docs
 
 
 def tables_path(fingerprint: str) -> Path:
@@ -55,18 +55,23 @@ def calibration_ids(tokenizer, seq_len: int, budget: int) -> list[torch.Tensor]:
     return runs
 
 
-def counts_to_tables(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """[L, 2, H, D, 256] exponent counts -> decode tables (windows), per-channel entropy, escape reserve (K, V)."""
-    decode = best_windows(counts)
+def counts_to_tables(counts: torch.Tensor) -> tuple[dict[int, torch.Tensor], torch.Tensor, dict[int, int]]:
+    """[L, 2, H, D, 256] exponent counts -> window tops and escape-list reserves (entries a tile) of each code,
+    and the per-channel entropy."""
     c = counts.to(torch.float64)
     total = c.sum(-1, keepdim=True).clamp(min=1)
     p = c / total
     floor = -(torch.where(p > 0, p * torch.log2(p), torch.zeros_like(p))).sum(-1).to(torch.float32)
-    held = torch.gather(c, -1, decode.to(torch.int64)).sum(-1)
-    miss = 1.0 - held / total.squeeze(-1)  # [L, 2, H, D]
-    per_token = miss.sum(-1)  # mean escapes a token, per layer, K/V, head
-    reserve = [max(1, math.ceil(RESERVE_MARGIN * float(per_token[:, kv].mean()))) for kv in (0, 1)]
-    return decode, floor, reserve
+    e = torch.arange(256, dtype=torch.int64)
+    tops, reserve = {}, {}
+    for bits in CODE_BITS:
+        tops[bits] = best_windows(counts, bits)
+        low = tops[bits].to(torch.int64).unsqueeze(-1) - (window(bits) - 1)
+        inside = (e >= low) & (e < low + window(bits))
+        miss = 1.0 - (c * inside).sum(-1) / total.squeeze(-1)  # [L, 2, H, D]: escape share of each channel
+        mean = float((TILE * miss.sum(-1).sum(1)).mean())  # entries a 16-token tile, K and V together
+        reserve[bits] = valid_reserve(math.ceil(mean + RESERVE_SIGMAS * math.sqrt(mean)))
+    return tops, floor, reserve
 
 
 def build_tables(model_dir: Path, window: int | None = None, tokens: int = TOKENS, seq_len: int = SEQ_LEN,
@@ -77,6 +82,7 @@ def build_tables(model_dir: Path, window: int | None = None, tokens: int = TOKEN
 
     start = time.monotonic()
     shape = AttentionShape.from_model_dir(model_dir)
+    check_head_size(shape.head_size)  # refused before minutes of calibration, not after
     window = min(window or shape.max_positions, shape.max_positions)
     seq_len = min(seq_len, window)
     fingerprint = model_fingerprint(model_dir)
@@ -102,9 +108,9 @@ def build_tables(model_dir: Path, window: int | None = None, tokens: int = TOKEN
             capture.run(model, ids, offset)
             timer.update(i + 1)
     del model
-    decode, floor, reserve = counts_to_tables(counts)
-    tables = KVTables(decode, floor, reserve[0], reserve[1], fingerprint, window,
-                      sum(r.numel() for r in runs), time.monotonic() - start)
+    tops, floor, reserve = counts_to_tables(counts)
+    tables = KVTables(tops, floor, reserve, fingerprint, window, sum(r.numel() for r in runs),
+                      time.monotonic() - start)
     log.info("KV tables for %s built in %.1f s: %s", model_dir, tables.build_seconds, tables.describe())
     return tables
 

@@ -1,9 +1,9 @@
 """KVTables: what the KV page code needs per model, and its file (safetensors, atomic, checksummed).
 
-decode  uint8[L, 2, H, D, 7]   the 7 exponents codes 0..6 stand for, per layer, K/V, KV head, channel: a window,
-                              code c = top - c (glyd_engine.format.kv_page)
-floor   float32[L, 2, H, D]    order-0 exponent entropy per channel on the calibration text (bits)
-k_escapes, v_escapes           escape bytes reserved per token (pooled per page), from calibration
+tops3, tops4  uint8[L, 2, H, D]  the top of each channel's window (8 exponents for the 3-bit code, 16 for the
+                                4-bit one), per layer, K/V, KV head, channel (glyd_engine.format.kv_page)
+floor         float32[L, 2, H, D] order-0 exponent entropy per channel on the calibration text (bits)
+reserve3, reserve4               escape-list entries a 16-token tile (K and V together) of each code, from calibration
 """
 
 from __future__ import annotations
@@ -18,26 +18,33 @@ from glyd_engine.atomic import atomic_path
 from glyd_engine.errors import CorruptFileError
 from glyd_engine.format import FORMAT_VERSION
 from glyd_engine.format.kv_page import (
-    TABLE_SIZE,
+    CODE_BITS,
+    KV_PAGE_VERSION,
     UNSEEN_TOP,
     KVPageCodec,
     KVPageLayout,
-    default_escapes,
-    window_bases,
-    window_tables,
+    check_head_size,
+    check_tops,
+    token_bytes,
+    valid_reserve,
 )
 
 # Bumped when the tables' meaning changes, separately from FORMAT_VERSION (weights on disk stay valid):
-# 2 = window tables for the word-wide page decode (1 held each channel's 7 most frequent exponents).
-KV_TABLES_VERSION = 2
+# 3 = page code v3 (8-exponent window tops, an escape-list reserve a tile); 1 and 2 were page code v1/v2's
+# 7-exponent tables and are rebuilt.
+KV_TABLES_VERSION = 3
+DEFAULT_ESCAPE_RATE = {3: 0.02, 4: 0.002}  # the reserve of tables with no calibration: this share of a tile's values
+
+
+def default_reserve(head_size: int, code_bits: int) -> int:
+    return valid_reserve(round(DEFAULT_ESCAPE_RATE[code_bits] * 32 * head_size))
 
 
 @dataclass
 class KVTables:
-    decode: torch.Tensor
+    tops: dict[int, torch.Tensor]  # code bits -> uint8 [L, 2, H, D]
     floor: torch.Tensor
-    k_escapes: int
-    v_escapes: int
+    reserve: dict[int, int]  # code bits -> escape-list entries a tile
     fingerprint: str
     window: int
     tokens: int  # calibration tokens seen
@@ -45,21 +52,25 @@ class KVTables:
 
     @property
     def num_layers(self) -> int:
-        return self.decode.shape[0]
+        return self.floor.shape[0]
 
     @property
     def num_kv_heads(self) -> int:
-        return self.decode.shape[2]
+        return self.floor.shape[2]
 
     @property
     def head_size(self) -> int:
-        return self.decode.shape[3]
+        return self.floor.shape[3]
 
-    def layout(self, block_size: int) -> KVPageLayout:
-        return KVPageLayout(self.head_size, block_size, self.k_escapes, self.v_escapes)
+    def token_bytes(self, code_bits: int = 3) -> int:
+        """C: page bytes a token and KV head (what vLLM's allocator sees; independent of the block size)."""
+        return token_bytes(self.head_size, self.reserve[code_bits], code_bits)
 
-    def codec(self, layer: int, block_size: int) -> KVPageCodec:
-        return KVPageCodec(self.layout(block_size), self.decode[layer])
+    def layout(self, block_size: int, code_bits: int = 3) -> KVPageLayout:
+        return KVPageLayout(self.head_size, block_size, self.reserve[code_bits], code_bits)
+
+    def codec(self, layer: int, block_size: int, code_bits: int = 3) -> KVPageCodec:
+        return KVPageCodec(self.layout(block_size, code_bits), self.tops[code_bits][layer])
 
     def floor_bits(self, kv: int) -> float:
         """Order-0 exponent entropy per channel, averaged, plus the 8 sign/mantissa bits."""
@@ -67,23 +78,25 @@ class KVTables:
 
     @property
     def nbytes(self) -> int:
-        """Bytes the tables take in memory while serving (the decode tables)."""
-        return self.decode.numel()
+        """Bytes one code's tables take in memory while serving (its window tops)."""
+        return self.floor.numel()
 
     @classmethod
     def uniform(cls, num_layers: int, num_kv_heads: int, head_size: int, fingerprint: str = "uniform"
                 ) -> KVTables:
-        """Tables with no calibration (exponents 120..126 everywhere): lossless, just less compact."""
-        dec = window_tables(torch.full((num_layers, 2, num_kv_heads, head_size), UNSEEN_TOP, dtype=torch.uint8))
-        e = default_escapes(head_size)
-        return cls(dec, torch.zeros(num_layers, 2, num_kv_heads, head_size), e, e, fingerprint, 0, 0)
+        """Tables with no calibration (exponents 120..127 everywhere): lossless, just less compact."""
+        check_head_size(head_size)
+        tops = torch.full((num_layers, 2, num_kv_heads, head_size), UNSEEN_TOP, dtype=torch.uint8)
+        return cls({b: tops.clone() for b in CODE_BITS}, torch.zeros(num_layers, 2, num_kv_heads, head_size),
+                   {b: default_reserve(head_size, b) for b in CODE_BITS}, fingerprint, 0, 0)
 
     # -- file ------------------------------------------------------------------------------------
     def _checksum(self) -> str:
         h = hashlib.sha256()
-        h.update(self.decode.contiguous().numpy().tobytes())
+        for b in CODE_BITS:
+            h.update(self.tops[b].contiguous().numpy().tobytes())
         h.update(self.floor.contiguous().numpy().tobytes())
-        h.update(f"{self.k_escapes},{self.v_escapes},{self.fingerprint},{self.window}".encode())
+        h.update(f"{sorted(self.reserve.items())},{self.fingerprint},{self.window}".encode())
         return h.hexdigest()
 
     def save(self, path: Path) -> None:
@@ -91,14 +104,14 @@ class KVTables:
 
         meta = {
             "format": "glyd-kv-tables", "format_version": str(FORMAT_VERSION),
-            "tables_version": str(KV_TABLES_VERSION),
+            "tables_version": str(KV_TABLES_VERSION), "page_version": str(KV_PAGE_VERSION),
             "fingerprint": self.fingerprint, "window": str(self.window), "tokens": str(self.tokens),
-            "k_escapes": str(self.k_escapes), "v_escapes": str(self.v_escapes),
+            **{f"reserve{b}": str(self.reserve[b]) for b in CODE_BITS},
             "build_seconds": f"{self.build_seconds:.1f}", "sha256": self._checksum(),
         }
+        tensors = {f"tops{b}": self.tops[b].contiguous() for b in CODE_BITS}
         with atomic_path(path) as tmp:
-            save_file({"decode": self.decode.contiguous(), "floor": self.floor.contiguous()}, str(tmp),
-                      metadata=meta)
+            save_file({**tensors, "floor": self.floor.contiguous()}, str(tmp), metadata=meta)
 
     @classmethod
     def load(cls, path: Path, fingerprint: str | None = None) -> KVTables:
@@ -116,20 +129,23 @@ class KVTables:
         if meta.get("format") != "glyd-kv-tables" or meta.get("format_version") != str(FORMAT_VERSION):
             raise CorruptFileError(f"{path} is not a version-{FORMAT_VERSION} Glyd KV tables file")
         if meta.get("tables_version", "1") != str(KV_TABLES_VERSION):
-            raise CorruptFileError(f"{path} holds version-{meta.get('tables_version', '1')} KV tables (this Glyd "
-                                   f"uses version {KV_TABLES_VERSION}); delete it to rebuild")
+            raise CorruptFileError(f"{path} holds version-{meta.get('tables_version', '1')} KV tables for an older "
+                                   f"page code (this Glyd writes page code v{KV_PAGE_VERSION}, tables version "
+                                   f"{KV_TABLES_VERSION}); delete it to rebuild")
         try:
-            t = cls(tensors["decode"], tensors["floor"], int(meta["k_escapes"]), int(meta["v_escapes"]),
-                    meta["fingerprint"], int(meta["window"]), int(meta["tokens"]),
-                    float(meta.get("build_seconds", 0)))
+            t = cls({b: tensors[f"tops{b}"] for b in CODE_BITS}, tensors["floor"],
+                    {b: int(meta[f"reserve{b}"]) for b in CODE_BITS}, meta["fingerprint"], int(meta["window"]),
+                    int(meta["tokens"]), float(meta.get("build_seconds", 0)))
         except (KeyError, ValueError) as exc:
             raise CorruptFileError(f"{path} lacks {exc}; delete it to rebuild") from exc
-        if t.decode.dtype != torch.uint8 or t.decode.dim() != 5 or t.decode.shape[-1] != TABLE_SIZE:
-            raise CorruptFileError(f"{path}: decode table has the wrong shape or type")
+        if any(x.dtype != torch.uint8 or x.shape != t.floor.shape or x.dim() != 4 for x in t.tops.values()):
+            raise CorruptFileError(f"{path}: window tops have the wrong shape or type")
         if t._checksum() != meta.get("sha256"):
             raise CorruptFileError(f"{path}: checksum mismatch (damaged file); delete it to rebuild")
         try:
-            window_bases(t.decode)
+            for b in CODE_BITS:
+                check_tops(t.tops[b], b)
+                t.layout(16, b)
         except ValueError as exc:
             raise CorruptFileError(f"{path}: {exc}") from exc
         if fingerprint is not None and t.fingerprint != fingerprint:
@@ -138,6 +154,6 @@ class KVTables:
 
     def describe(self) -> dict[str, object]:
         return {"layers": self.num_layers, "kv_heads": self.num_kv_heads, "head_size": self.head_size,
-                "k_escapes": self.k_escapes, "v_escapes": self.v_escapes, "window": self.window,
+                **{f"token_bytes_{b}bit": self.token_bytes(b) for b in CODE_BITS}, "window": self.window,
                 "tokens": self.tokens, "k_floor_bits": round(self.floor_bits(0), 3),
                 "v_floor_bits": round(self.floor_bits(1), 3)}

@@ -92,7 +92,7 @@ def register() -> None:
         return
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    for name, path in (("GLYD", hooks.BACKEND_PATH), ("GLYD_TRITON", hooks.TRITON_BACKEND_PATH)):
+    for name, path in (("GLYD", hooks.BACKEND_PATH), ("GLYD_GPU", hooks.GPU_BACKEND_PATH)):
         if name not in AttentionBackendEnum.__members__:
             register_backend(name, path)
     assert platform_cls is not None  # missing_hooks() names vllm.platforms when it cannot be imported
@@ -121,6 +121,6 @@ def kv_status(vllm_config: Any) -> dict[str, Any]:
         reason = d.reason or ("KV compression is off (setting)" if d.asked == "off" else "")
         return {"mode": "vllm", "reason": reason, "bytes_per_token": float(bf16)}
     tables = state.load_tables(mc.model)
-    per_token = layers * heads * tables.layout(1).token_bytes
+    per_token = layers * heads * tables.token_bytes(settings.code_bits(vllm_config))
     return {"mode": d.mode, "reason": f"{d.mode}: every value exact, {bf16 / per_token:.2f}x the tokens of bf16",
             "bytes_per_token": float(per_token)}

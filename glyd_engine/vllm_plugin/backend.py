@@ -1,7 +1,7 @@
 """GLYD: vLLM's paged KV cache held in the lossless page code (CPU build).
 
 Sizing: `customize_spec` sets the page's content to C = layout.token_bytes bytes a token and KV head
-(182 for head size 64 against bf16's 256), so vLLM's allocator, scheduler and prefix cache see smaller
+(181 for the demo model's head size 64 against bf16's 256), so vLLM's allocator, scheduler and prefix cache see smaller
 pages and hold ~1.4x the tokens in the same memory. Write: `do_kv_cache_update` encodes the step's K/V
 into the pages (replacing reshape_and_cache). Read: `forward` decodes the pages the batch's block tables
 name into a bf16 scratch cache laid out as vLLM's own, then runs vLLM's own CPU attention kernel on it:
@@ -25,15 +25,15 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
+from glyd_engine.format.kv_page import head_size_supported
 from glyd_engine.vllm_plugin import settings, state
 from glyd_engine.vllm_plugin.backend_base import GlydBackendBase
-from glyd_engine.vllm_plugin.fast_read import read_pages
 
 
 class GlydAttentionBackend(GlydBackendBase, CPUAttentionBackend):
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
-        return [h for h in CPUAttentionBackend.get_supported_head_sizes() if h % 8 == 0]
+        return [h for h in CPUAttentionBackend.get_supported_head_sizes() if head_size_supported(h)]
 
     @staticmethod
     def get_impl_cls() -> type[GlydAttentionImpl]:
@@ -53,6 +53,7 @@ class GlydAttentionImpl(CPUAttentionBackendImpl):
         self.decision = settings.decide(cfg)
         self.check = settings.check_enabled(cfg)
         self.tables = state.load_tables(cfg.model_config.model)
+        self.code_bits = settings.code_bits(cfg)
 
     # -- state ----------------------------------------------------------------------------------
     def _state(self, layer: Any, kv_cache: torch.Tensor) -> state.LayerState:
@@ -63,7 +64,7 @@ class GlydAttentionImpl(CPUAttentionBackendImpl):
         from vllm.model_executor.models.utils import extract_layer_index
 
         nb, _, block_size, _ = kv_cache.shape
-        codec = self.tables.codec(extract_layer_index(name), block_size)
+        codec = self.tables.codec(extract_layer_index(name), block_size, self.code_bits)
         pages = state.page_view(kv_cache, codec.layout.page_bytes)
         shadow = None
         if self.check:
@@ -104,7 +105,7 @@ class GlydAttentionImpl(CPUAttentionBackendImpl):
         num_reqs = md.seq_lens.shape[0]
         use = state.pages_in_use(md.block_table[:num_reqs], md.seq_lens, b)
         uniq, used, inverse = use.blocks, use.used, use.inverse
-        k, v = read_pages(st.codec, st.pages, st.overflow, uniq)  # [U, H, B, D], = codec.read bit for bit
+        k, v = st.codec.read(st.pages, st.overflow, uniq)  # [U, H, B, D]
         state.STATS.pages_decoded += 2 * uniq.numel() * h
         valid = use.rows(b)
         if st.shadow is not None and not state.COMPARE["paused"]:

@@ -14,7 +14,7 @@ from vllm.config import get_current_vllm_config
 from vllm.v1.attention.backend import AttentionType, MultipleOf
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
-from glyd_engine.vllm_plugin import state
+from glyd_engine.vllm_plugin import settings, state
 
 NAME = "GLYD"
 
@@ -62,7 +62,9 @@ class GlydBackendBase:
         if spec.head_size != tables.head_size or spec.num_kv_heads != tables.num_kv_heads:
             raise ValueError(f"Glyd KV tables are for {tables.num_kv_heads} KV heads of size {tables.head_size}, "
                              f"the layer has {spec.num_kv_heads} of size {spec.head_size}")
-        c = tables.layout(1).token_bytes
+        from vllm.config import get_current_vllm_config_or_none
+
+        c = tables.token_bytes(settings.code_bits(get_current_vllm_config_or_none()))
         elem = torch.empty(0, dtype=spec.dtype).element_size()
         c += (-c) % elem  # vLLM views the bytes as the spec's dtype
         return replace(spec, state_content_bytes=c)

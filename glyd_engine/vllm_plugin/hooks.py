@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from glyd_engine.format.kv_page import HEAD_SIZES, head_size_supported
 from glyd_engine.vllm_plugin import settings
 
 BACKEND_PATH = "glyd_engine.vllm_plugin.backend.GlydAttentionBackend"  # torch path (CPU build)
-TRITON_BACKEND_PATH = "glyd_engine.vllm_plugin.triton_backend.GlydTritonAttentionBackend"  # Triton kernels
+GPU_BACKEND_PATH = "glyd_engine.vllm_plugin.gpu_backend.GlydGPUAttentionBackend"  # CUDA kernels (or their reference)
 
 
 _MARK = "_glyd_wrapped"
@@ -23,7 +24,7 @@ ORIGINAL = "_glyd_original"  # on a wrapper: the class attribute it replaced (te
 
 
 def backend_path(decision: settings.Decision) -> str:
-    return TRITON_BACKEND_PATH if decision.kernels == "triton" else BACKEND_PATH
+    return BACKEND_PATH if decision.kernels == "torch" else GPU_BACKEND_PATH
 
 
 def layer_refusal(sel: Any) -> str | None:
@@ -46,8 +47,8 @@ def layer_refusal(sel: Any) -> str | None:
         return f"{sel.dtype} activations (the page code holds bf16)"
     if sel.kv_cache_dtype not in (None, "auto", "bfloat16"):
         return f"kv_cache_dtype {sel.kv_cache_dtype}"
-    if sel.head_size % 8:
-        return f"head size {sel.head_size} (not a multiple of 8)"
+    if not head_size_supported(sel.head_size):
+        return f"head size {sel.head_size} (the page code holds {' and '.join(map(str, HEAD_SIZES))})"
     return None
 
 

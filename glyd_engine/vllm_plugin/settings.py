@@ -22,9 +22,16 @@ MODES = ("auto", "lossless", "exact", "off")
 ENV_MODE = "GLYD_KV"
 ENV_CHECK = "GLYD_KV_CHECK"  # debug: keep a bf16 shadow of every page and compare each value read
 ENV_KERNELS = "GLYD_KV_KERNELS"
-# What runs the pages: torch (the CPU build: pages decoded, then vLLM's own CPU kernel) or triton (the GPU
-# kernels in kernels/; on the CPU only inside Triton's interpreter, which the tests use). auto: by platform.
-KERNELS = ("auto", "torch", "triton")
+# What runs the pages: torch (the CPU build: pages decoded, then vLLM's own CPU kernel), cuda (the GPU backend:
+# the CUDA kernels in kernels/cuda read compressed pages), or reference (the GPU backend's wiring on the torch
+# reference of those kernels: how the tests run it on the CPU build). auto: by platform.
+KERNELS = ("auto", "torch", "cuda", "reference")
+ENV_CODE = "GLYD_KV_CODE"
+# The page code's width: 3 bits (the most tokens: ~11.3 bits a value) or 4 (~12.1 bits, about a tenth of the
+# escapes, which decode attention pays for). auto: 3 on the CPU build; GPU_CODE_BITS where the CUDA kernels run,
+# the faster of the two on the H200 (docs/gpu.md).
+CODES = ("auto", "3", "4")
+GPU_CODE_BITS = 4
 SUPPORTED_VLLM = ">=0.32,<0.34"
 
 # Platforms where the lossless cache is measured at least as fast as vLLM's own (docs/vllm.md, "auto").
@@ -39,7 +46,7 @@ class Decision:
     asked: str  # the mode the user set (auto when unset)
     mode: str  # lossless | exact | off: what runs
     reason: str = ""  # why `auto` kept vLLM's own cache
-    kernels: str = ""  # torch | triton: what runs the pages (active modes)
+    kernels: str = ""  # torch | cuda | reference: what runs the pages (active modes)
 
     @property
     def active(self) -> bool:
@@ -82,11 +89,19 @@ def asked_kernels(vllm_config: Any = None) -> str:
 
 
 def kernels(vllm_config: Any = None) -> str:
-    """torch or triton: what runs the pages on this platform (auto: triton on CUDA, torch on the CPU)."""
+    """torch, cuda or reference: what runs the pages on this platform (auto: cuda on CUDA, torch on the CPU)."""
     asked = asked_kernels(vllm_config)
     if asked != "auto":
         return asked
-    return "triton" if platform_name() == "cuda" else "torch"
+    return "cuda" if platform_name() == "cuda" else "torch"
+
+
+def code_bits(vllm_config: Any = None) -> int:
+    """3 or 4: the page code's width for this engine (every process decides the same from the same inputs)."""
+    asked = _choice(vllm_config, "code", ENV_CODE, CODES, "Glyd KV code width")
+    if asked != "auto":
+        return int(asked)
+    return 3 if kernels(vllm_config) == "torch" else GPU_CODE_BITS
 
 
 def _platform_refusal(vllm_config: Any, mode: str) -> str | None:
@@ -95,11 +110,10 @@ def _platform_refusal(vllm_config: Any, mode: str) -> str | None:
         return f"the lossless cache runs on vLLM's CPU build and on NVIDIA GPUs (CUDA), not on {plat}"
     use = kernels(vllm_config)
     if plat == "cuda" and use == "torch":
-        return f"{ENV_KERNELS}=torch is the CPU build's path; on CUDA the Triton kernels run (unset it)"
-    if plat == "cpu" and use == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
-        return (f"{ENV_KERNELS}=triton on the CPU runs the GPU kernels in Triton's interpreter: set "
-                f"TRITON_INTERPRET=1 (slow; for tests) or unset {ENV_KERNELS}")
-    if mode == "exact" and use == "triton":
+        return f"{ENV_KERNELS}=torch is the CPU build's path; on CUDA the CUDA kernels run (unset it)"
+    if plat == "cpu" and use == "cuda":
+        return f"{ENV_KERNELS}=cuda needs an NVIDIA GPU; on the CPU build unset {ENV_KERNELS}"
+    if mode == "exact" and use in ("cuda", "reference"):
         return ("exact runs vLLM's own attention on decoded pages, which only the CPU build's path does; "
                 "use lossless (every stored value is still exact)")
     return None

@@ -76,8 +76,7 @@ class Stats:
     pages_decoded: int = 0
     values_checked: int = 0
     values_differing: int = 0
-    split_batches: int = 0  # attention calls the Triton path split between its decode and prefill kernels
-    fresh_prefills: int = 0  # Triton prefill calls that read the step's own K/V instead of decoding its pages
+    split_batches: int = 0  # attention calls the GPU path split between decode attention and prefill
 
 
 STATS = Stats()
@@ -173,5 +172,4 @@ def worker_stats(worker: Any = None) -> dict[str, int]:
             "overflow_values": sum(c.overflow for c in codecs),
             "overflow_bytes_held": held, "overflow_arena_bytes": arena, "overflow_grows": grows,
             "pages_decoded": s.pages_decoded, "values_checked": s.values_checked,
-            "values_differing": s.values_differing, "split_batches": s.split_batches,
-            "fresh_prefills": s.fresh_prefills, "layers": len(LAYERS)}
+            "values_differing": s.values_differing, "split_batches": s.split_batches, "layers": len(LAYERS)}

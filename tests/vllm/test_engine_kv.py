@@ -54,10 +54,10 @@ def test_capacity_ratio(off: dict, lossless: dict, demo_model_dir: Path) -> None
         assert _logged_tokens(run["log"]) in (run["kv_tokens"] - 1, run["kv_tokens"])
     assert lossless["kv_tokens"] / off["kv_tokens"] >= 1.40, (off["kv_tokens"], lossless["kv_tokens"])
     # bytes a token as the status reports them (`glyd bench kv`): bf16's, and C a KV head for the pages
-    from glyd_engine.vllm_plugin import state
+    from glyd_engine.vllm_plugin import settings, state
 
     assert off["kv_bytes_per_token"] == 30 * 3 * (64 + 64) * 2
-    c = state.load_tables(str(demo_model_dir)).layout(lossless["block_size"]).token_bytes
+    c = state.load_tables(str(demo_model_dir)).token_bytes(settings.code_bits())
     assert lossless["kv_bytes_per_token"] == 30 * 3 * c < off["kv_bytes_per_token"] / 1.4
     assert "Glyd KV cache: lossless" in lossless["log"]
 

@@ -52,14 +52,14 @@ def test_decisions(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_kernel_choice_by_platform_and_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
-    """auto picks torch on the CPU and the Triton kernels on CUDA; what cannot run is refused with the fix."""
+    """auto picks torch on the CPU and the CUDA kernels on CUDA; what cannot run is refused with the fix."""
     from glyd_engine.vllm_plugin import hooks
 
     monkeypatch.delenv("GLYD_KV_KERNELS", raising=False)
     cfg = _config("lossless")
     assert settings.kernels(cfg) == "torch" and hooks.backend_path(settings.resolve(cfg)) == hooks.BACKEND_PATH
     monkeypatch.setattr(settings, "platform_name", lambda: "cuda")
-    assert settings.kernels(cfg) == "triton" and hooks.backend_path(settings.resolve(cfg)) == hooks.TRITON_BACKEND_PATH
+    assert settings.kernels(cfg) == "cuda" and hooks.backend_path(settings.resolve(cfg)) == hooks.GPU_BACKEND_PATH
     assert settings.resolve(cfg).mode == "lossless"
     with pytest.raises(ValueError, match="exact runs vLLM's own attention on decoded pages.*use lossless"):
         settings.resolve(_config("exact"))
@@ -73,14 +73,14 @@ def test_kernel_choice_by_platform_and_refusals(monkeypatch: pytest.MonkeyPatch)
     with pytest.raises(ValueError, match="not on rocm.*GLYD_KV=off"):
         settings.resolve(cfg)
     monkeypatch.setattr(settings, "platform_name", lambda: "cpu")
-    monkeypatch.setenv("GLYD_KV_KERNELS", "triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with pytest.raises(ValueError, match="set TRITON_INTERPRET=1"):
-        settings.resolve(cfg)
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert hooks.backend_path(settings.resolve(cfg)) == hooks.TRITON_BACKEND_PATH
     monkeypatch.setenv("GLYD_KV_KERNELS", "cuda")
-    with pytest.raises(ValueError, match="'cuda' is not a Glyd kernel choice"):
+    with pytest.raises(ValueError, match="GLYD_KV_KERNELS=cuda needs an NVIDIA GPU"):
+        settings.resolve(cfg)
+    monkeypatch.setenv("GLYD_KV_KERNELS", "reference")  # the GPU backend's wiring on the torch reference
+    decision = settings.resolve(cfg)
+    assert decision.mode == "lossless" and hooks.backend_path(decision) == hooks.GPU_BACKEND_PATH
+    monkeypatch.setenv("GLYD_KV_KERNELS", "triton")
+    with pytest.raises(ValueError, match="'triton' is not a Glyd kernel choice"):
         settings.kernels(cfg)
 
 
@@ -241,7 +241,7 @@ def test_page_size_does_not_depend_on_block_size() -> None:
         for bs in (1, 16, 128):
             spec = FullAttentionSpec(block_size=bs, num_kv_heads=3, head_size=64, dtype=torch.bfloat16)
             got = backend.GlydAttentionBackend.customize_spec(spec)
-            assert got.state_content_size_bytes == tables.layout(bs).token_bytes  # 2*(64+24)+3+3 = 182
+            assert got.state_content_size_bytes == tables.token_bytes(3) == 182  # a 44-entry reserve: 2912 B a tile
             assert got.page_size_bytes == bs * 3 * 182
             assert spec.page_size_bytes == bs * 3 * 256
     finally:

@@ -1,12 +1,12 @@
-"""GLYD on CUDA: vLLM's paged KV cache in the lossless page code, written and read by the Triton kernels.
+"""GLYD on CUDA: vLLM's paged KV cache in the lossless page code, written and read by the CUDA kernels.
 
-The pages are the CPU backend's (same spec, same bytes; `backend_base`). Write: `do_kv_cache_update` runs the Triton
-page writer (`kernels.kv_page_write`). Read: `forward` runs the decode kernel for the batch's single decode tokens
-(the builder has vLLM put them first) and the varlen prefill kernel for the rest, both decoding pages in registers
-(`kernels.kv_layer.TritonKVLayer`). The writer reads one overflow counter a step (a host sync), so the builder
-declares no CUDA-graph support: vLLM then runs attention eagerly between its piecewise graphs.
-`GLYD_KV_KERNELS=triton` with TRITON_INTERPRET=1 selects this backend on the CPU build too, which is how the tests
-run it inside the real engine.
+The pages are the CPU backend's (same spec, same bytes; `backend_base`). Write: `do_kv_cache_update` runs the CUDA
+page writer. Read: `forward` runs decode attention on compressed pages for the batch's single decode tokens (the
+builder has vLLM put them first) and, for prefill runs and chunks, decodes their tiles to bf16 for SDPA
+(`kernels.kv_layer.KVLayer`). The writer checks after each step whether an overflow run must grow (a host sync), so
+the builder declares no CUDA-graph support: vLLM then runs attention eagerly between its piecewise graphs.
+`GLYD_KV_KERNELS=reference` selects this backend on the CPU build with the torch reference of the kernels, which is
+how the tests run its wiring inside the real engine.
 """
 
 from __future__ import annotations
@@ -25,23 +25,26 @@ from vllm.v1.attention.backend import (
     CommonAttentionMetadata,
 )
 
+from glyd_engine.format.kv_page import HEAD_SIZES
 from glyd_engine.vllm_plugin import settings, state
 from glyd_engine.vllm_plugin.backend_base import GlydBackendBase
 
 
 @dataclass
-class GlydTritonMetadata:
+class GlydGPUMetadata:
     num_actual_tokens: int
     max_query_len: int
     query_start_loc: torch.Tensor  # int32 [S + 1]
     max_seq_len: int
     seq_lens: torch.Tensor  # int32 [S]
+    seq_lens_cpu: list[int] | None  # host copies for the prefill path (None: read from the device there)
+    query_start_cpu: list[int] | None
     block_table: torch.Tensor  # int32 [S, max_blocks]
     slot_mapping: torch.Tensor
     num_decodes: int  # leading sequences with one query token each (vLLM orders decodes first for us)
 
 
-class GlydTritonMetadataBuilder(AttentionMetadataBuilder[GlydTritonMetadata]):
+class GlydGPUMetadataBuilder(AttentionMetadataBuilder[GlydGPUMetadata]):
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
 
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device) -> None:
@@ -49,38 +52,44 @@ class GlydTritonMetadataBuilder(AttentionMetadataBuilder[GlydTritonMetadata]):
         self._init_reorder_batch_threshold(1)  # decodes first: they take the decode kernel
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
-              fast_build: bool = False) -> GlydTritonMetadata:
+              fast_build: bool = False) -> GlydGPUMetadata:
         from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
         m = common_attn_metadata
         num_decodes, _, decode_tokens, _ = split_decodes_and_prefills(m, decode_threshold=1)
-        if decode_tokens != num_decodes:  # a decode with no query token: let the prefill kernel take them all
+        if decode_tokens != num_decodes:  # a decode with no query token: let the prefill path take them all
             num_decodes = 0
-        return GlydTritonMetadata(m.num_actual_tokens, m.max_query_len, m.query_start_loc, m.max_seq_len,
-                                  m.seq_lens, m.block_table_tensor, m.slot_mapping, num_decodes)
+        n = m.seq_lens.shape[0]
+        host = num_decodes < n  # the prefill path loops over sequences on the host
+        qsl = getattr(m, "query_start_loc_cpu", None)
+        sl = getattr(m, "seq_lens_cpu", None)
+        return GlydGPUMetadata(m.num_actual_tokens, m.max_query_len, m.query_start_loc, m.max_seq_len, m.seq_lens,
+                               sl.tolist() if host and sl is not None else None,
+                               qsl.tolist() if host and qsl is not None else None,
+                               m.block_table_tensor, m.slot_mapping, num_decodes)
 
 
-class GlydTritonAttentionBackend(GlydBackendBase, AttentionBackend):
+class GlydGPUAttentionBackend(GlydBackendBase, AttentionBackend):
     @staticmethod
     def get_name() -> str:
-        return "GLYD_TRITON"
+        return "GLYD_GPU"
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
-        return [64, 128, 256]  # the kernels need a power of two >= 32; 64-256 are tested
+        return list(HEAD_SIZES)
 
     @staticmethod
-    def get_impl_cls() -> type[GlydTritonAttentionImpl]:
-        return GlydTritonAttentionImpl
+    def get_impl_cls() -> type[GlydGPUAttentionImpl]:
+        return GlydGPUAttentionImpl
 
     @staticmethod
-    def get_builder_cls() -> type[GlydTritonMetadataBuilder]:
-        return GlydTritonMetadataBuilder
+    def get_builder_cls() -> type[GlydGPUMetadataBuilder]:
+        return GlydGPUMetadataBuilder
 
 
-class GlydTritonAttentionImpl(AttentionImpl):
-    """Decoder self-attention over Glyd pages with the Triton kernels (no alibi, window, soft cap or sinks:
-    the selector refuses those layers before this is built)."""
+class GlydGPUAttentionImpl(AttentionImpl):
+    """Decoder self-attention over Glyd pages with the CUDA kernels (no alibi, window, soft cap or sinks: the
+    selector refuses those layers before this is built), 1-8 query heads a KV head."""
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
                  alibi_slopes: list[float] | None = None, sliding_window: int | None = None,
@@ -92,7 +101,10 @@ class GlydTritonAttentionImpl(AttentionImpl):
                        if v]
         if unsupported or attn_type != AttentionType.DECODER:
             what = ", ".join(unsupported) or attn_type
-            raise ValueError(f"Glyd KV cache: the Triton attention does not support {what}; {settings.OFF_HINT}")
+            raise ValueError(f"Glyd KV cache: the GPU attention does not support {what}; {settings.OFF_HINT}")
+        if not 1 <= num_heads // (num_kv_heads or num_heads) <= 8:
+            raise ValueError(f"Glyd KV cache: the GPU attention takes 1-8 query heads a KV head, this model has "
+                             f"{num_heads // (num_kv_heads or num_heads)}; {settings.OFF_HINT}")
         self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
         self.num_kv_heads = num_kv_heads or num_heads
         self.kv_cache_dtype = kv_cache_dtype
@@ -100,7 +112,9 @@ class GlydTritonAttentionImpl(AttentionImpl):
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         cfg = get_current_vllm_config()
         self.check = settings.check_enabled(cfg)
+        self.impl = "torch" if settings.kernels(cfg) == "reference" else "cuda"
         self.tables = state.load_tables(cfg.model_config.model)
+        self.code_bits = settings.code_bits(cfg)
 
     def _state(self, layer: Any, kv_cache: torch.Tensor) -> state.LayerState:
         st = state.LAYERS.get(layer.layer_name)
@@ -108,13 +122,14 @@ class GlydTritonAttentionImpl(AttentionImpl):
             return st
         from vllm.model_executor.models.utils import extract_layer_index
 
-        from kernels.kv_layer import TritonKVLayer
+        from kernels.kv_layer import KVLayer
 
         nb, _, block_size, _ = kv_cache.shape
         index = extract_layer_index(layer.layer_name)
-        codec = self.tables.codec(index, block_size)
+        codec = self.tables.codec(index, block_size, self.code_bits)
         pages = state.page_view(kv_cache, codec.layout.page_bytes)
-        kv = TritonKVLayer(codec.layout, self.tables.decode[index], pages)
+        kv = KVLayer(codec.layout, codec.tops, pages, impl=self.impl)
+        codec = kv.codec or codec  # the reference path's codec is the one that writes (and counts)
         shadow = None
         if self.check:
             shadow = torch.zeros(nb, self.num_kv_heads, 2, block_size, self.head_size, dtype=torch.bfloat16,
@@ -130,13 +145,13 @@ class GlydTritonAttentionImpl(AttentionImpl):
         key, value = key[:n], value[:n]
         kv = st.extra["kernels"]
         kv.write(key, value, slot_mapping)
-        st.codec.stats.values += 2 * key.numel()
-        st.codec.stats.overflow = kv.writer.counters.overflow_values
+        if kv.codec is None:  # the CUDA writer counts nothing on the host
+            st.codec.stats.values += 2 * key.numel()
         if st.shadow is not None:
             state.write_shadow(st, key, value, slot_mapping)
 
     def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: torch.Tensor, attn_metadata: GlydTritonMetadata | None, output: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: GlydGPUMetadata | None, output: torch.Tensor,
                 output_scale: torch.Tensor | None = None, output_block_scale: torch.Tensor | None = None,
                 ) -> torch.Tensor:
         if attn_metadata is None:  # profiling run
@@ -149,26 +164,24 @@ class GlydTritonAttentionImpl(AttentionImpl):
         n = md.num_actual_tokens
         num_reqs = md.seq_lens.shape[0]
         out = output[:n].view(n, self.num_heads, self.head_size)
-        fresh = {}
-        if key is not None and value is not None:  # the step's own K/V: prefill runs need not decode their pages
-            fresh = {"key": key[:n].view(n, self.num_kv_heads, self.head_size),
-                     "value": value[:n].view(n, self.num_kv_heads, self.head_size)}
-        kv.attend(query[:n].view(n, self.num_heads, self.head_size), out, md.block_table[:num_reqs],
-                  md.seq_lens, md.query_start_loc, md.max_query_len, md.max_seq_len, self.scale, md.num_decodes,
-                  **fresh)
+        kv.attend(query[:n].view(n, self.num_heads, self.head_size), out, md.block_table[:num_reqs], md.seq_lens,
+                  md.query_start_loc, md.max_seq_len, self.scale, md.num_decodes, md.seq_lens_cpu,
+                  md.query_start_cpu)
         if 0 < md.num_decodes < num_reqs:
             state.STATS.split_batches += 1
-        if fresh and md.num_decodes < num_reqs:
-            state.STATS.fresh_prefills += 1
         if st.shadow is not None and not state.COMPARE["paused"]:
             self._check(st, kv, md)
         return output
 
     @staticmethod
-    def _check(st: state.LayerState, kv: Any, md: GlydTritonMetadata) -> None:
-        """Check mode: the batch's pages through the kernels' decoder, every row below a page's fill compared."""
-        b = st.codec.layout.block_size
-        use = state.pages_in_use(md.block_table[: md.seq_lens.shape[0]], md.seq_lens, b)
-        k, v = kv.read(use.blocks)
-        state.STATS.pages_decoded += 2 * use.blocks.numel() * k.shape[1]
-        state.compare_read(st, use.blocks, use.rows(b), k, v)
+    def _check(st: state.LayerState, kv: Any, md: GlydGPUMetadata) -> None:
+        """Check mode: the batch's pages through the tile reader (the decoder attention's fast path and escape
+        lists share), every row below a page's fill compared with the bf16 shadow."""
+        lay = st.codec.layout
+        use = state.pages_in_use(md.block_table[: md.seq_lens.shape[0]], md.seq_lens, lay.block_size)
+        tiles = (use.blocks.view(-1, 1) * lay.tiles + torch.arange(lay.tiles, device=use.blocks.device)).reshape(-1)
+        k, v = kv.read(tiles)  # [U * tiles, H, 16, D]
+        h, d = k.shape[1], k.shape[3]
+        page = lambda x: x.view(-1, lay.tiles, h, 16, d).transpose(1, 2).reshape(-1, h, lay.block_size, d)  # noqa: E731
+        state.STATS.pages_decoded += 2 * use.blocks.numel() * h
+        state.compare_read(st, use.blocks, use.rows(lay.block_size), page(k), page(v))

@@ -1,0 +1,184 @@
+"""Launchers of the page-code kernels in kernels/cuda/kv_pages.cu (decode attention, page writer, tile reader).
+
+Each launcher takes the layer's tensors as vLLM holds them (`cache` is the layer's page tensor viewed as
+[num_blocks, KV heads, page_bytes] uint8) and the window tops [2, H, D] on the same device. The kernels are
+compiled per (head size, code bits, query heads a KV head, reserve, tiles a page) on first use (kernels/nvrtc.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from glyd_engine.format.kv_page import TILE, KVPageLayout, OverflowStore
+from kernels import nvrtc
+
+SOURCE = "kv_pages.cu"
+WARPS = 4  # warps a decode block, each with its own share of the block's tiles
+TARGET_BLOCKS = 4 * 132  # enough decode blocks to fill an H200 (132 multiprocessors) a few times over
+MIN_TILES_A_WARP = 4  # a context split gives each warp at least this many tiles, unless the grid would be too small
+SMS = 132  # H200 multiprocessors: a decode grid of fewer blocks than this is latency-bound
+MAX_SPLITS = 64
+KERNELS = ("kv_decode_attention", "kv_merge", "kv_read_tiles", "kv_write", "kv_sizes")
+
+
+def defines(layout: KVPageLayout, group: int, variant: tuple[tuple[str, int], ...] = ()) -> dict[str, int]:
+    """Compile-time constants of a build; `variant` overrides tuning ones (MIN_BLOCKS, WARPS) for benchmarks."""
+    return {"HEAD": layout.head_size, "CODE_BITS": layout.code_bits, "GQ": group, "RESERVE": layout.reserve,
+            "TPP": layout.tiles, "WARPS": WARPS, **dict(variant)}
+
+
+@functools.lru_cache(maxsize=64)
+def _module(head_size: int, code_bits: int, group: int, reserve: int, tiles: int, device: int,
+            variant: tuple[tuple[str, int], ...] = ()) -> tuple[dict, int, int]:
+    lay = KVPageLayout(head_size, tiles * TILE, reserve, code_bits)
+    ks = nvrtc.load(SOURCE, defines(lay, group, variant), KERNELS, device)
+    sizes = torch.zeros(2, dtype=torch.int32, device=f"cuda:{device}")
+    ks["kv_sizes"]((1,), (1,), [sizes])
+    attn_smem, write_smem = (int(x) for x in sizes.tolist())
+    if attn_smem > 48 * 1024:
+        nvrtc.set_max_smem(ks["kv_decode_attention"], attn_smem)
+    if write_smem > 48 * 1024:
+        nvrtc.set_max_smem(ks["kv_write"], write_smem)
+    return ks, attn_smem, write_smem
+
+
+def kernels(layout: KVPageLayout, group: int, device: torch.device, variant: tuple[tuple[str, int], ...] = ()
+            ) -> tuple[dict, int, int]:
+    """(kernels, decode attention's shared memory, writer's shared memory), compiled and loaded once."""
+    if not 1 <= group <= 8:
+        raise ValueError(f"the CUDA KV kernels take 1..8 query heads a KV head, not {group}")
+    return _module(layout.head_size, layout.code_bits, group, layout.reserve, layout.tiles, device.index or 0, variant)
+
+
+def _check(cache: torch.Tensor, layout: KVPageLayout, tops: torch.Tensor) -> int:
+    if cache.dtype != torch.uint8 or cache.dim() != 3 or cache.shape[2] != layout.page_bytes:
+        raise ValueError(f"cache must be uint8 [num_blocks, H, {layout.page_bytes}], got {tuple(cache.shape)}")
+    if not cache.is_contiguous():
+        raise ValueError("cache must be contiguous")
+    h = cache.shape[1]
+    if tops.shape != (2, h, layout.head_size) or tops.dtype != torch.uint8 or tops.device != cache.device:
+        raise ValueError(f"tops must be uint8 [2, {h}, {layout.head_size}] on {cache.device}")
+    return h
+
+
+def _overflow_args(overflow: OverflowStore | None, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The store's run table and arena (kernels read them only for tiles whose entries passed the page's list)."""
+    if overflow is None:
+        return torch.full((1,), -1, dtype=torch.int32, device=device), torch.zeros(8, dtype=torch.int16, device=device)
+    arena = overflow.arena if overflow.arena.numel() else torch.zeros(8, dtype=torch.int16, device=device)
+    return overflow.ptr, arena
+
+
+def num_splits_for(batch: int, num_kv_heads: int, max_seq_len: int) -> int:
+    """Context splits of a decode launch: enough blocks to fill the GPU, each warp with a few tiles at least."""
+    tiles = math.ceil(max(1, max_seq_len) / TILE)
+    want = math.ceil(TARGET_BLOCKS / max(1, batch * num_kv_heads))
+    cap = max(1, tiles // (WARPS * MIN_TILES_A_WARP))
+    if batch * num_kv_heads * cap < SMS:  # a few short sequences: split down to a tile a warp to fill the GPU
+        cap = max(1, min(tiles // WARPS, math.ceil(SMS / max(1, batch * num_kv_heads))))
+    return int(max(1, min(want, cap, MAX_SPLITS)))
+
+
+def decode_attention(query: torch.Tensor, cache: torch.Tensor, layout: KVPageLayout, tops: torch.Tensor,
+                     block_table: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int, scale: float,
+                     overflow: OverflowStore | None = None, out: torch.Tensor | None = None,
+                     num_splits: int | None = None, scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     variant: tuple[tuple[str, int], ...] = ()) -> torch.Tensor:
+    """Attention of one query token a sequence over compressed pages.
+
+    query [S, Hq, D] bf16 (head dim contiguous); block_table int32 [S, max_blocks]; seq_lens int32 [S] (all >= 1);
+    max_seq_len (host int) sizes the context split. Returns out [S, Hq, D] bf16.
+    """
+    h = _check(cache, layout, tops)
+    s, hq, d = query.shape
+    if hq % h or d != layout.head_size or query.dtype != torch.bfloat16 or query.stride(2) != 1:
+        raise ValueError("query must be bf16 [S, a multiple of the KV heads, head size] with contiguous head dims")
+    ks, smem, _ = kernels(layout, hq // h, cache.device, variant)
+    warps = dict(variant).get("WARPS", WARPS)
+    if out is None:
+        out = torch.empty_like(query)
+    if s == 0:
+        return out
+    splits = num_splits or num_splits_for(s, h, max_seq_len)
+    tiles_per_split = math.ceil(math.ceil(max(1, max_seq_len) / TILE) / splits)
+    if splits > 1:
+        if scratch is None:
+            part_o = torch.empty(s * hq * splits * d, dtype=torch.float32, device=query.device)
+            part_ml = torch.empty(s * hq * splits * 2, dtype=torch.float32, device=query.device)
+        else:
+            part_o, part_ml = scratch
+    else:
+        part_o = part_ml = out
+    ptr, arena = _overflow_args(overflow, cache.device)
+    bt = block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)
+    sl = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.to(torch.int32)
+    ks["kv_decode_attention"](
+        (splits, h, s), (warps * 32,),
+        [query, out, part_o, part_ml, cache, tops, ptr, arena, bt, sl, float(scale * 1.4426950408889634),
+         query.stride(0), query.stride(1), out.stride(0), out.stride(1), bt.stride(0), h, tiles_per_split, splits],
+        smem=smem)
+    if splits > 1:
+        ks["kv_merge"]((s, hq), (d,), [out, part_o, part_ml, out.stride(0), out.stride(1), hq, splits])
+    return out
+
+
+def read_tiles(cache: torch.Tensor, layout: KVPageLayout, tops: torch.Tensor, tiles: torch.Tensor,
+               overflow: OverflowStore | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tiles (numbered block * tiles a page + tile) -> (K, V) [N, H, 16, D] bf16, escapes patched.
+
+    Rows past a tile's fill are garbage, as with `KVPageCodec.read`."""
+    h = _check(cache, layout, tops)
+    ks, _, _ = kernels(layout, 1, cache.device)
+    n = tiles.numel()
+    k = torch.empty(n, h, TILE, layout.head_size, dtype=torch.bfloat16, device=cache.device)
+    v = torch.empty_like(k)
+    if n:
+        ptr, arena = _overflow_args(overflow, cache.device)
+        ks["kv_read_tiles"]((n, h), (32,), [k, v, cache, tops, ptr, arena, tiles.to(torch.int64).contiguous(), h])
+    return k, v
+
+
+def _aligned(x: torch.Tensor) -> torch.Tensor:
+    """The writer reads a token's head row as 16-byte vectors: rows must start 16-byte aligned."""
+    if x.data_ptr() % 16 or x.stride(0) % 8 or x.stride(1) % 8:
+        return x.clone(memory_format=torch.contiguous_format)
+    return x
+
+
+def write(cache: torch.Tensor, layout: KVPageLayout, tops: torch.Tensor, overflow: OverflowStore,
+          key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> int:
+    """Append the step's K/V [T, H, D] bf16 at `slots` (int64; -1 padding); a tile's tokens must be consecutive
+    and in order. Returns the rounds of overflow growth it took (0 almost always; each costs a host sync)."""
+    h = _check(cache, layout, tops)
+    t = slots.shape[0]
+    if t == 0:
+        return 0
+    if key.shape[1:] != (h, layout.head_size) or key.dtype != torch.bfloat16 or key.stride(2) != 1:
+        raise ValueError("key/value must be bf16 [T, H, D] with contiguous head dims")
+    ks, _, smem = kernels(layout, 1, cache.device)
+    key, value = _aligned(key), _aligned(value)
+    sl = slots.to(torch.int64).contiguous()
+    need = torch.zeros(t, h, 2, dtype=torch.int32, device=cache.device)
+    rounds = 0
+    only = 0
+    while True:
+        ptr, arena = _overflow_args(overflow, cache.device)
+        ks["kv_write"]((math.ceil(t / TILE), h), (128,), [
+            cache, key, value, sl, tops, ptr, arena, need, t, h, key.stride(0), key.stride(1), value.stride(0),
+            value.stride(1), only], smem=smem)
+        if not bool(need.any()):  # the overflow runs were long enough (one host sync)
+            return rounds
+        rounds += 1
+        ti, hi, kind = need.nonzero(as_tuple=True)
+        tiles = sl[ti] // TILE
+        for k in (0, 1):
+            sel = kind == k
+            if bool(sel.any()):
+                overflow.reserve_entries(tiles[sel], hi[sel], k, need[ti[sel], hi[sel], k].to(torch.int64))
+        only = 1
+
+
+__all__ = ["decode_attention", "num_splits_for", "read_tiles", "write"]

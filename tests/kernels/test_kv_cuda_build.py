@@ -1,0 +1,47 @@
+"""Every CUDA source compiles with NVRTC for the architectures Glyd ships to (no GPU needed), and the cache works.
+
+A syntax or API slip in kernels/cuda fails here, in CI, rather than on a user's first start.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+nvrtc = pytest.importorskip("kernels.nvrtc")
+pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings (the test extra installs it)")
+
+CONFIGS = [  # (head size, query heads a KV head, reserve, tiles a page): the demo model, the largest group
+    (64, 3, 36, 1), (128, 8, 68, 2)]
+
+
+@pytest.mark.parametrize("arch,code_bits", [("sm_80", 3), ("sm_90", 3), ("sm_90", 4)])
+@pytest.mark.parametrize("d,g,reserve,tiles", CONFIGS)
+def test_kv_kernels_compile_without_spills(arch: str, code_bits: int, d: int, g: int, reserve: int, tiles: int
+                                           ) -> None:
+    defines = {"HEAD": d, "CODE_BITS": code_bits, "GQ": g, "RESERVE": reserve, "TPP": tiles, "WARPS": 4}
+    cubin, log = nvrtc.compile_cubin("kv_pages.cu", arch, defines, log_ptxas=True)
+    assert cubin[:4] == b"\x7fELF"
+    for kernel in ("kv_decode_attention", "kv_merge", "kv_read_tiles", "kv_write"):
+        assert f"Compiling entry function '{kernel}'" in log, kernel
+    assert "0 bytes spill stores" in log and "bytes spill stores" in log
+    assert all(" 0 bytes spill" in line for line in log.splitlines() if "spill stores" in line), log
+    assert "warning" not in log.lower(), log
+
+
+def test_a_build_error_names_the_source_and_the_compiler_message() -> None:
+    with pytest.raises(nvrtc.KernelBuildError, match="kv_pages.cu.*sm_90"):
+        nvrtc.compile_cubin("kv_pages.cu", "sm_90", {"HEAD": 96, "GQ": 4, "RESERVE": 68, "TPP": 1, "WARPS": 4})
+
+
+def test_cubins_are_cached_by_source_defines_and_arch(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GLYD_HOME", str(tmp_path))
+    calls = []
+    real = nvrtc.compile_cubin
+    monkeypatch.setattr(nvrtc, "compile_cubin", lambda *a, **k: (calls.append(a), real(*a, **k))[1])
+    defines = {"HEAD": 64, "GQ": 3, "RESERVE": 36, "TPP": 1, "WARPS": 4}
+    first = nvrtc.cached_cubin("kv_pages.cu", "sm_90", defines)
+    assert nvrtc.cached_cubin("kv_pages.cu", "sm_90", defines) == first and len(calls) == 1
+    nvrtc.cached_cubin("kv_pages.cu", "sm_80", defines)
+    nvrtc.cached_cubin("kv_pages.cu", "sm_90", {**defines, "GQ": 4})
+    assert len(calls) == 3
+    assert len(list((tmp_path / "cache" / "kernels").glob("*.cubin"))) == 3
