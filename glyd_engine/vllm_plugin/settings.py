@@ -201,6 +201,12 @@ def missing_hooks() -> str:
 _decided: tuple[Any, Decision] | None = None  # (the engine config it was made for, the decision)
 
 
+def decided_config() -> Any:
+    """The engine config this process decided for (None before its first decision): for hooks vLLM calls with
+    no current config (customize_spec, when the worker sizes pages), so they read the same settings."""
+    return _decided[0] if _decided is not None else None
+
+
 def decide(vllm_config: Any) -> Decision:
     """This process's decision for its engine (one engine a process): made once from both settings, then the
     same object for every caller that passes the same config. Raises ValueError for lossless/exact where it
