@@ -50,8 +50,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         return int(args.func(args) or 0)
-    except GlydError as exc:
+    except GlydError as exc:  # a full disk too (atomic.DiskFullError)
         print(f"glyd: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a file the user named cannot be read or written: one line, not a traceback
+        where = f": {exc.filename}" if exc.filename else ""
+        print(f"glyd: {exc.strerror or exc}{where}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("glyd: interrupted; nothing was left half-written", file=sys.stderr)

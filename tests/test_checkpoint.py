@@ -9,7 +9,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from glyd_engine.atomic import DiskFullError
 from glyd_engine.errors import CorruptFileError, GlydError, MismatchError, UnsupportedModelError
 from glyd_engine.format.checkpoint import pack_model, read_header, verify_model
 from tests.tiny_models import make_tiny_llama
@@ -90,6 +89,125 @@ def test_verify_against_a_different_model_names_the_tensor(packed, tmp_path):
         verify_model(packed, against=other)
 
 
+@pytest.fixture(scope="module")
+def sharded(tiny, tmp_path_factory, request) -> Path:
+    """The tiny model packed into several shards (a small flush size), as a large model would be."""
+    import glyd_engine.format.checkpoint as ckpt
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(ckpt, "SHARD_BYTES", 40_000)
+    request.addfinalizer(mp.undo)
+    dst = tmp_path_factory.mktemp("sharded") / "tiny-glyd"
+    pack_model(tiny, dst)
+    mp.undo()
+    assert len(list(dst.glob("glyd-*.safetensors"))) >= 3
+    return dst
+
+
+def _copy(src: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "ckpt"
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _rewrite_without(shard: Path, drop) -> list[str]:  # noqa: ANN001
+    """Save `shard` again without the tensors `drop(name)` selects (metadata kept); the names dropped."""
+    from safetensors import safe_open
+
+    with safe_open(str(shard), "pt") as f:
+        meta = f.metadata()
+        keep = {k: f.get_tensor(k) for k in f.keys() if not drop(k)}  # noqa: SIM118
+        gone = [k for k in f.keys() if drop(k)]  # noqa: SIM118
+    save_file(keep, str(shard), metadata=meta)
+    return gone
+
+
+def test_verify_without_source_names_a_deleted_shard(sharded, tmp_path):
+    ck = _copy(sharded, tmp_path)
+    verify_model(ck)
+    (ck / "glyd-00002.safetensors").unlink()
+    with pytest.raises(CorruptFileError, match="glyd-00002.safetensors"):
+        verify_model(ck)
+
+
+def test_verify_without_source_names_a_tensor_missing_from_its_shard(sharded, tmp_path):
+    ck = _copy(sharded, tmp_path)
+    shard = next(f for f in sorted(ck.glob("glyd-*.safetensors")) if any("norm" in k for k in read_header(f)))
+    gone = _rewrite_without(shard, lambda k: k.endswith("norm.weight"))
+    with pytest.raises(CorruptFileError, match=gone[0].replace(".", r"\.")):
+        verify_model(ck)
+
+
+def test_verify_names_a_packed_tensor_whose_parts_are_all_gone(sharded, tmp_path):
+    ck = _copy(sharded, tmp_path)
+    shard = next(f for f in sorted(ck.glob("glyd-*.safetensors")) if any("_glyd_" in k for k in read_header(f)))
+    name = next(k for k in read_header(shard) if k.endswith("_glyd_sm")).removesuffix("_glyd_sm")
+    _rewrite_without(shard, lambda k: k.startswith(name + "_glyd_"))
+    with pytest.raises(CorruptFileError, match=name):
+        verify_model(ck)
+
+
+def test_verify_checks_each_shard_size(sharded, tmp_path):
+    ck = _copy(sharded, tmp_path)
+    shard = ck / "glyd-00001.safetensors"
+    from safetensors import safe_open
+
+    with safe_open(str(shard), "pt") as f:  # the same tensors, saved again: a valid file of another size
+        tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, {**f.metadata(), "note": "not ours"}  # noqa: SIM118
+    save_file(tensors, str(shard), metadata=meta)
+    with pytest.raises(CorruptFileError, match="glyd-00001.safetensors.*bytes"):
+        verify_model(ck)
+
+
+def test_verify_counts_against_config_when_the_index_was_edited_too(sharded, tmp_path):
+    """A shard deleted and its entries taken out of the index: config.json still records how many tensors
+    the checkpoint holds."""
+    ck = _copy(sharded, tmp_path)
+    index = json.loads((ck / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if v != "glyd-00002.safetensors"}
+    index["metadata"].get("shard_bytes", {}).pop("glyd-00002.safetensors", None)
+    (ck / "model.safetensors.index.json").write_text(json.dumps(index))
+    (ck / "glyd-00002.safetensors").unlink()
+    with pytest.raises(CorruptFileError, match="config.json records"):
+        verify_model(ck)
+
+
+def test_verify_warns_of_a_shard_the_index_does_not_name(sharded, tmp_path):
+    ck = _copy(sharded, tmp_path)
+    shutil.copy(ck / "glyd-00001.safetensors", ck / "glyd-00099.safetensors")
+    report = verify_model(ck)
+    assert report.checked == report.expected
+    assert [w for w in report.warnings if "glyd-00099.safetensors" in w]
+
+
+def test_glyd_verify_command_names_what_is_missing_and_warns_of_strays(sharded, tmp_path, capsys):
+    from glyd_engine.cli import main
+
+    ck = _copy(sharded, tmp_path)
+    shutil.copy(ck / "glyd-00001.safetensors", ck / "glyd-00099.safetensors")
+    capsys.readouterr()
+    assert main(["verify", str(ck), "--json"]) == 0
+    out = capsys.readouterr()
+    report = json.loads(out.out)
+    assert report["tensors_checked"] == report["tensors_expected"] > 0
+    assert "exact" not in report  # checksums only: no claim about the source's bits without --against
+    assert "glyd: warning: glyd-00099.safetensors is not named by the index" in out.err
+    (ck / "glyd-00002.safetensors").unlink()
+    assert main(["verify", str(ck)]) == 2
+    assert "glyd-00002.safetensors is missing" in capsys.readouterr().err
+
+
+def test_an_unreadable_file_is_one_line_not_a_traceback(packed, tmp_path, capsys):
+    from glyd_engine.cli import main
+
+    ck = _copy(packed, tmp_path)
+    (ck / "config.json").unlink()
+    (ck / "config.json").mkdir()  # exists, cannot be read as a file: an OSError
+    assert main(["verify", str(ck)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("glyd: ") and "config.json" in err and len(err.strip().splitlines()) == 1
+
+
 def test_fp32_model_is_refused(tmp_path):
     src = make_tiny_llama(tmp_path / "fp32", dtype="float32")
     with pytest.raises(UnsupportedModelError, match="bf16"):
@@ -118,21 +236,6 @@ def test_name_collision_and_empty_tensor_are_refused(tiny, tmp_path):
     save_file({"model.empty": torch.zeros(0, 4, dtype=torch.bfloat16)}, str(src / "extra.safetensors"))
     with pytest.raises(UnsupportedModelError, match="empty"):
         pack_model(src, tmp_path / "out")
-
-
-def test_full_disk_leaves_nothing(tiny, tmp_path, monkeypatch):
-    import errno
-
-    import glyd_engine.format.checkpoint as ckpt
-
-    def no_space(*a, **k):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(ckpt._ShardWriter, "flush", lambda self: no_space())
-    with pytest.raises(DiskFullError, match="no space"):
-        pack_model(tiny, tmp_path / "out")
-    assert not (tmp_path / "out").exists()
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
 
 
 def test_existing_destination_is_not_overwritten(tiny, packed):

@@ -3,13 +3,15 @@
 Each engine runs in its own child process (`python -m glyd_engine.bench.kv --child SPEC`): vLLM spawns
 processes and keeps global state, and a child's exit frees all of it. A child runs the workloads a spec
 names and prints one JSON line (prefixed `GLYD_RESULT `). The parent compares off against lossless.
-Tests in tests/vllm use the same children.
+Tests in tests/vllm use the same children. JSON turns every NaN into one NaN, so prompt logprobs also cross
+as the hex of their IEEE bit patterns (`prompt_logprobs_bits`), which is what `bits_equal` compares.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import struct
 import subprocess
 import sys
 import time
@@ -144,6 +146,9 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
         res["decode_tokens_per_s"] = round(sum(map(len, outs)) / dt, 2)
         res["speed_batch"] = int(s["batch"])
     res["metrics"] = _counters(llm)
+    from glyd_engine.vllm_plugin import kv_status
+
+    res["kv_bytes_per_token"] = kv_status(llm.llm_engine.vllm_config)["bytes_per_token"]  # all layers, K and V
     if llm.llm_engine.vllm_config.model_config.quantization == "glyd":
         from glyd_engine.vllm_plugin.weights import worker_weight_bytes
 
@@ -175,24 +180,33 @@ def run_engine(spec: dict[str, Any], timeout: float = 900, log: Path | None = No
     text = proc.stdout + "\n" + proc.stderr
     if log is not None:
         log.write_text(text)
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith(RESULT):
-            out = json.loads(line[len(RESULT):])
-            out["log"] = text
-            return out
+    out = parse_result(proc.stdout)
+    if out is not None:
+        out["log"] = text
+        return out
     cause = next((ln.strip() for ln in text.splitlines() if "Error: " in ln and "Engine core initialization" not in ln),
                  "")
     raise RuntimeError(f"engine ({spec['mode']}) failed, rc={proc.returncode}: {cause}\n{text[-6000:]}")
 
 
-def bits_equal(a: list[list[float]], b: list[list[float]]) -> bool:
-    """Prompt logprobs equal bit for bit (floats compared by their IEEE pattern, NaN included)."""
-    import struct
+def parse_result(stdout: str) -> dict[str, Any] | None:
+    """A child's result: its last `GLYD_RESULT` line, decoded (None when it printed none)."""
+    for line in reversed(stdout.splitlines()):
+        if line.startswith(RESULT):
+            return json.loads(line[len(RESULT):])
+    return None
 
-    def key(xs: list[list[float]]) -> list[list[bytes]]:
-        return [[struct.pack("<d", x) for x in row] for row in xs]
 
-    return key(a) == key(b)
+def float_bits(rows: list[list[float]]) -> list[list[str]]:
+    """Each float's IEEE-754 double bit pattern as 16 hex digits: -0.0, infinities and NaN payloads kept."""
+    return [[struct.pack("<d", x).hex() for x in row] for row in rows]
+
+
+def bits_equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Two children's prompt logprobs equal bit for bit: their bit patterns as the children read them (the
+    floats of the JSON cannot tell NaN payloads apart). False when either has none."""
+    ka, kb = a.get("prompt_logprobs_bits"), b.get("prompt_logprobs_bits")
+    return bool(ka) and ka == kb
 
 
 def run_kv_bench(model: Path, kv_bytes: int = DEFAULT_KV_BYTES, logprob_tokens: int = 2000, batch: int = 8,
@@ -208,8 +222,9 @@ def run_kv_bench(model: Path, kv_bytes: int = DEFAULT_KV_BYTES, logprob_tokens: 
         "model": str(model), "kv_cache_memory_bytes": kv_bytes, "block_size": off["block_size"],
         "kv_tokens_off": off["kv_tokens"], "kv_tokens_lossless": glyd["kv_tokens"],
         "capacity_ratio": round(glyd["kv_tokens"] / max(1, off["kv_tokens"]), 4),
+        "kv_bytes_per_token_off": off["kv_bytes_per_token"], "kv_bytes_per_token_lossless": glyd["kv_bytes_per_token"],
         "prompt_logprob_tokens": logprob_tokens,
-        "prompt_logprobs_identical": bits_equal(off["prompt_logprobs"], glyd["prompt_logprobs"]),
+        "prompt_logprobs_identical": bits_equal(off, glyd),
         "values_checked": stats.get("values_checked", 0), "values_differing": stats.get("values_differing", 0),
         "escapes": stats.get("escapes", 0), "overflow_values": stats.get("overflow_values", 0),
         "decode_batch": batch,
@@ -223,6 +238,8 @@ def child_main(argv: list[str], run: Any = None) -> int:
     """A child's entry: run the spec given after --child and print its result line for `run_engine`."""
     spec = json.loads(argv[argv.index("--child") + 1])
     res = (run or run_child)(spec)
+    if "prompt_logprobs" in res:  # the bits, before JSON makes every NaN the same NaN
+        res["prompt_logprobs_bits"] = float_bits(res["prompt_logprobs"])
     sys.stdout.write(RESULT + json.dumps(res) + "\n")
     sys.stdout.flush()
     return 0

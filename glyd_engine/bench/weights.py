@@ -28,6 +28,11 @@ def packed_copy(model: Path) -> Path:
     return dst
 
 
+def safetensors_bytes(model_dir: Path) -> int:
+    """What a model's weights take on disk: its safetensors files, headers included."""
+    return sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
+
+
 def run_weights_bench(model: Path, logprob_tokens: int = 2000, batch: int = 4, max_tokens: int = 16,
                       kv_bytes: int = DEFAULT_KV_BYTES) -> dict[str, Any]:
     packed = packed_copy(model)
@@ -40,11 +45,13 @@ def run_weights_bench(model: Path, logprob_tokens: int = 2000, batch: int = 4, m
     return {
         "model": str(model), "packed": str(packed),
         "prompt_logprob_tokens": logprob_tokens,
-        "prompt_logprobs_identical": bits_equal(bf16["prompt_logprobs"], glyd["prompt_logprobs"]),
+        "prompt_logprobs_identical": bits_equal(bf16, glyd),
         "greedy_tokens_identical": bf16["greedy"] == glyd["greedy"],
         "weight_values_packed": w["glyd_weight_values"],
         "weight_bytes_bf16": w["bf16_weight_bytes"], "weight_bytes_resident": w["glyd_weight_bytes"],
         "resident_bits_per_weight": round(8 * w["glyd_weight_bytes"] / max(1, w["glyd_weight_values"]), 4),
+        "resident_escape_share": round(w["glyd_weight_escapes"] / max(1, w["glyd_weight_values"]), 5),
+        "disk_bytes_bf16": safetensors_bytes(model), "disk_bytes_glyd": safetensors_bytes(packed),
         "decode_batch": batch,
         "decode_tokens_per_s_bf16": bf16["decode_tokens_per_s"],
         "decode_tokens_per_s_glyd": glyd["decode_tokens_per_s"],

@@ -98,10 +98,12 @@ def probe_engine(python: str) -> dict[str, Any]:
 
 
 def writable(path: Path) -> bool:
+    """Whether `path` can be created: its nearest existing ancestor is a directory we may write (a file there,
+    or a read-only mount, stops it; os.access says so even for root)."""
     probe = path
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
-    return os.access(probe, os.W_OK)
+    return probe.is_dir() and os.access(probe, os.W_OK)
 
 
 def gib(n: float) -> str:

@@ -68,6 +68,11 @@ def run_verify(args: argparse.Namespace) -> int:
 
     against = _resolve(args.against) if args.against else None
     report = verify_model(args.dir, against, progress=print_progress)
-    extra = {"tensors_checked": report.checked, "tensors_compared_bit_for_bit": report.compared, "exact": True}
+    extra: dict = {"tensors_expected": report.expected, "tensors_checked": report.checked,
+                   "tensors_compared_bit_for_bit": report.compared, "warnings": report.warnings}
+    if against is not None:  # only a comparison with the source shows the bits are the source's
+        extra["exact"] = report.exact
+    for warning in report.warnings:
+        print(f"glyd: warning: {warning}", file=sys.stderr)
     _print_report(report, args.json, args.quiet, extra)
-    return 0
+    return 0 if against is None or report.exact else 1

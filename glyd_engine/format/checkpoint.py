@@ -2,11 +2,14 @@
 
 `pack_model` streams tensor by tensor (peak memory: the output buffer plus a few bytes a value of the
 tensor in hand) into a temporary directory renamed into place only when complete. Plain tensors keep
-their bytes and get a crc32 in their file's metadata, so `verify_model` checks every byte it can.
+their bytes and get a crc32 in their file's metadata, so `verify_model` checks every byte it can. The index
+records each shard's size and config.json how many tensors there are and a hash of their names, so a
+shard or a tensor that goes missing is named by `verify_model` even without the source.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import zlib
@@ -25,6 +28,7 @@ from glyd_engine.progress import CancelToken, PhaseTimer, ProgressCallback, no_p
 MIN_PACKED_VALUES = 4096  # smaller tensors (norms, biases) stay plain: their tables would cost more
 SHARD_BYTES = 1 << 30  # an output file is flushed past this many bytes
 INDEX = "model.safetensors.index.json"
+SHARD_BYTES_KEY = "shard_bytes"  # index metadata: file name -> its size in bytes
 PLAIN_CRC_KEY = "glyd_plain_crc32"
 QUANT_METHOD = "glyd"
 
@@ -109,6 +113,7 @@ class _ShardWriter:
     def __init__(self, out: Path) -> None:
         self.out, self.buf, self.crcs, self.size, self.count = out, {}, {}, 0, 0
         self.weight_map: dict[str, str] = {}
+        self.shard_bytes: dict[str, int] = {}
 
     def add(self, tensors: dict[str, torch.Tensor], plain_crc: dict[str, int] | None = None) -> None:
         for k, t in tensors.items():
@@ -127,6 +132,7 @@ class _ShardWriter:
         name = f"glyd-{self.count:05d}.safetensors"
         meta = {"format": "glyd", "format_version": str(FORMAT_VERSION), PLAIN_CRC_KEY: json.dumps(self.crcs)}
         save_file({k: v.contiguous() for k, v in self.buf.items()}, str(self.out / name), metadata=meta)
+        self.shard_bytes[name] = (self.out / name).stat().st_size
         for k in self.buf:
             self.weight_map[k] = name
         self.buf, self.crcs, self.size = {}, {}, 0
@@ -165,15 +171,16 @@ def pack_model(src: Path, dst: Path, progress: ProgressCallback = no_progress,
                     done += t.numel() * t.element_size()
                     timer.update(done, f"packing {name}")
         writer.flush()
-        (tmp / INDEX).write_text(json.dumps({"metadata": {"format": "glyd"}, "weight_map": writer.weight_map},
-                                            indent=1))
+        index_meta = {"format": "glyd", SHARD_BYTES_KEY: writer.shard_bytes}
+        (tmp / INDEX).write_text(json.dumps({"metadata": index_meta, "weight_map": writer.weight_map}, indent=1))
         config = json.loads((src / "config.json").read_text())
         from glyd_engine.models import model_fingerprint
 
         # The same values as the source: per-model caches (the KV tables) are shared through its fingerprint.
         config["quantization_config"] = {"quant_method": QUANT_METHOD, "format_version": FORMAT_VERSION,
                                          "chunk": weights.CHUNK, "min_packed_values": MIN_PACKED_VALUES,
-                                         "source_fingerprint": model_fingerprint(src)}
+                                         "source_fingerprint": model_fingerprint(src),
+                                         "tensors": len(tensors), "tensor_names_sha256": names_digest(tensors)}
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         for extra in sorted(src.iterdir()):
             if extra.is_file() and extra.suffix != ".safetensors" and extra.name not in ("config.json", INDEX):
@@ -181,11 +188,94 @@ def pack_model(src: Path, dst: Path, progress: ProgressCallback = no_progress,
     return report
 
 
-def _iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, str, object]]:
-    """Yield (kind, name, payload) per logical tensor: ('packed', X, PackedTensor) or ('plain', X, (t, crc))."""
+def names_digest(names: object) -> str:
+    """sha256 of the sorted logical tensor names (what config.json records, so a lost tensor is noticed)."""
+    return hashlib.sha256("\n".join(sorted(names)).encode()).hexdigest()  # type: ignore[call-overload]
+
+
+def _logical(key: str) -> str:
+    split = weights.split_part_name(key)
+    return split[0] if split else key
+
+
+@dataclass
+class Layout:
+    """What a checkpoint's index and config.json say it holds, checked against the files present."""
+
+    files: list[Path]  # the shards the index names, in order
+    expected: set[str]  # logical tensor names the index names
+    warnings: list[str]
+
+
+def check_layout(model_dir: Path, config: dict) -> Layout:
+    """Every shard the index names exists, has its recorded size and holds exactly the tensors the index puts
+    in it; the index's tensors are those config.json counts. Raises CorruptFileError naming what is missing;
+    a shard the index does not name (vLLM does not load it) is a warning."""
+    model_dir = Path(model_dir)
+    try:
+        index = json.loads((model_dir / INDEX).read_text())
+        weight_map: dict[str, str] = dict(index["weight_map"])
+    except FileNotFoundError as exc:
+        raise CorruptFileError(f"{model_dir} has no {INDEX}: it lists the checkpoint's tensors (re-pack it)") from exc
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorruptFileError(f"{model_dir / INDEX} is damaged ({exc})") from exc
+    sizes = (index.get("metadata") or {}).get(SHARD_BYTES_KEY)
+    warnings: list[str] = []
+    if not isinstance(sizes, dict):
+        sizes = {}
+        warnings.append(f"{INDEX} records no shard sizes (written by an earlier glyd): sizes not checked")
+    by_file: dict[str, set[str]] = {}
+    for key, file in weight_map.items():
+        by_file.setdefault(file, set()).add(key)
+    files: list[Path] = []
+    for file in sorted(by_file):
+        path = model_dir / file
+        if not path.is_file():
+            lost = sorted({_logical(k) for k in by_file[file]})
+            raise CorruptFileError(f"{file} is missing from {model_dir}: the index puts {len(lost)} tensor(s) "
+                                   f"there ({_some(lost)})")
+        held = set(read_header(path))
+        if by_file[file] - held:
+            raise CorruptFileError(f"{file} lacks {_some(sorted(by_file[file] - held))}, which the index puts there")
+        if held - by_file[file]:
+            raise CorruptFileError(f"{file} holds {_some(sorted(held - by_file[file]))}, which the index does not "
+                                   "name there")
+        if file in sizes and path.stat().st_size != int(sizes[file]):
+            raise CorruptFileError(f"{file} is {path.stat().st_size} bytes; the index records {sizes[file]} bytes "
+                                   "(truncated, extended or replaced)")
+        files.append(path)
+    for path in sorted(model_dir.glob("*.safetensors")):
+        if path.name not in by_file:
+            warnings.append(f"{path.name} is not named by the index: vLLM does not load it and verify did not "
+                            "read it (a stray file?)")
+    expected = {_logical(k) for k in weight_map}
+    qc = config.get("quantization_config") or {}
+    if "tensors" in qc and (int(qc["tensors"]) != len(expected)
+                            or qc.get("tensor_names_sha256", names_digest(expected)) != names_digest(expected)):
+        raise CorruptFileError(f"the index names {len(expected)} tensors; config.json records {qc['tensors']} "
+                               "(and a hash of their names) at packing: tensors were lost with their index entries")
+    if "tensors" not in qc:
+        warnings.append("config.json records no tensor count (packed by an earlier glyd): the index alone "
+                        "says what should be there")
+    if not files:
+        raise CorruptFileError(f"{model_dir}/{INDEX} names no shard: not a Glyd checkpoint")
+    return Layout(files, expected, warnings)
+
+
+def _some(names: list[str], n: int = 10) -> str:
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
+
+
+def _iter_checkpoint(model_dir: Path, files: list[Path] | None = None) -> Iterator[tuple[str, str, object]]:
+    """Yield (kind, name, payload) per logical tensor: ('packed', X, PackedTensor) or ('plain', X, (t, crc)).
+    `files`: the shards to read (default: those the index names, or every glyd-*.safetensors without one)."""
     from safetensors import safe_open
 
-    files = sorted(Path(model_dir).glob("glyd-*.safetensors"))
+    if files is None:
+        if (Path(model_dir) / INDEX).exists():
+            files = check_layout(model_dir, {}).files
+        else:
+            files = sorted(Path(model_dir).glob("glyd-*.safetensors"))
     if not files:
         raise CorruptFileError(f"{model_dir} has no glyd-*.safetensors files: not a Glyd checkpoint")
     seen: set[str] = set()
@@ -243,8 +333,15 @@ def is_glyd_checkpoint(model_dir: Path) -> bool:
 
 @dataclass
 class VerifyReport(PackReport):
-    checked: int = 0
-    compared: int = 0
+    checked: int = 0  # tensors decoded and checked (checksums)
+    compared: int = 0  # tensors compared bit for bit with the source (--against)
+    expected: int = 0  # tensors the index names (and config.json counts)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def exact(self) -> bool:
+        """Every tensor the index names was decoded and compared bit for bit with the source."""
+        return self.expected > 0 and self.compared == self.checked == self.expected
 
 
 def verify_model(model_dir: Path, against: Path | None = None, progress: ProgressCallback = no_progress
@@ -260,11 +357,12 @@ def verify_model(model_dir: Path, against: Path | None = None, progress: Progres
     if int(qc.get("format_version", -1)) != FORMAT_VERSION:
         raise CorruptFileError(f"{model_dir} is format version {qc.get('format_version')}; this Glyd reads "
                                f"version {FORMAT_VERSION}")
+    layout = check_layout(model_dir, config)
     source = check_source(against) if against is not None else None
-    report = VerifyReport()
-    timer = PhaseTimer("verify", f"verifying {model_dir.name}", len(source) if source else None, progress)
+    report = VerifyReport(expected=len(layout.expected), warnings=list(layout.warnings))
+    timer = PhaseTimer("verify", f"verifying {model_dir.name}", report.expected, progress)
     names: set[str] = set()
-    for kind, name, payload in _iter_checkpoint(model_dir):
+    for kind, name, payload in _iter_checkpoint(model_dir, layout.files):
         t = _decoded(kind, name, payload)
         if kind == "packed":
             p = payload
@@ -290,9 +388,10 @@ def verify_model(model_dir: Path, against: Path | None = None, progress: Progres
                 raise MismatchError(f"{name}: {n_diff} bytes differ from the source")
             report.compared += 1
         timer.update(report.checked, f"verified {name}")
+    if names != layout.expected:  # check_layout matched every shard's header to the index: a bug if reached
+        raise CorruptFileError(f"decoded tensors differ from the index: {_some(sorted(names ^ layout.expected))}")
     if source is not None:
         missing = sorted(set(source) - names)
         if missing:
-            raise MismatchError(f"missing from the checkpoint: {', '.join(missing[:10])}"
-                                + (f" and {len(missing) - 10} more" if len(missing) > 10 else ""))
+            raise MismatchError(f"missing from the checkpoint: {_some(missing)}")
     return report

@@ -12,13 +12,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from glyd_engine.vllm_plugin.settings import UnsupportedVLLMError
+
 log = logging.getLogger("vllm.glyd")
 
 _registered = False
-
-
-class UnsupportedVLLMError(RuntimeError):
-    """vLLM lacks a hook the plugin needs (a version outside the supported range)."""
 
 
 def missing_hooks() -> list[str]:
@@ -61,40 +59,58 @@ def missing_hooks() -> list[str]:
 
 
 def register() -> None:
-    """vLLM's general-plugin entry point (see the module docstring)."""
+    """vLLM's general-plugin entry point (see the module docstring).
+
+    The KV mode is not decided here: `additional_config` (which wins over GLYD_KV) is not known until vLLM
+    makes the engine config, where the wrapped config check decides once for both sources (settings.decide).
+    When this vLLM lacks a hook, only that check is wrapped: it refuses lossless/exact from either source
+    and tells auto why it stays off."""
     global _registered
     if _registered:
         return
     from glyd_engine.vllm_plugin import settings
 
     asked = settings.asked_mode()  # raises ValueError for a misspelt GLYD_KV: better now than silently off
-    from glyd_engine.vllm_plugin import weights  # noqa: F401  (registers the "glyd" quantization config)
+    from glyd_engine.vllm_plugin import (
+        hooks,
+        weights,  # noqa: F401  (registers the "glyd" quantization config)
+    )
 
     missing = missing_hooks()
+    platform_cls = _platform_cls()
     if missing:
         import vllm
 
-        msg = (f"the Glyd plugin supports vLLM {settings.SUPPORTED_VLLM}; this is vLLM {vllm.__version__}, "
-               f"which lacks: {', '.join(missing)}")
-        if asked in ("lossless", "exact"):
-            raise UnsupportedVLLMError(f"{msg}. Install a supported vLLM or {settings.OFF_HINT}.")
-        log.warning("%s; Glyd stays off", msg)
+        settings.set_missing_hooks(missing, vllm.__version__)
+        if platform_cls is not None and hasattr(platform_cls, "check_and_update_config"):
+            hooks.install_config_check(platform_cls)
+        elif asked in ("lossless", "exact"):  # no later place sees the config: refuse now, on GLYD_KV alone
+            raise UnsupportedVLLMError(f"Glyd KV cache (GLYD_KV={asked}) cannot run: {settings.missing_hooks()}. "
+                                       f"Install a supported vLLM, or {settings.OFF_HINT}.")
+        log.warning("Glyd KV cache stays off, and lossless/exact are refused: %s", settings.missing_hooks())
         _registered = True
         return
-    from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
-
-    from glyd_engine.vllm_plugin import hooks
 
     for name, path in (("GLYD", hooks.BACKEND_PATH), ("GLYD_GPU", hooks.GPU_BACKEND_PATH)):
         if name not in AttentionBackendEnum.__members__:
             register_backend(name, path)
-    hooks.install(type(current_platform))
+    assert platform_cls is not None  # missing_hooks() names vllm.platforms when it cannot be imported
+    hooks.install(platform_cls)
     _registered = True
 
 
+def _platform_cls() -> type | None:
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return None
+    return type(current_platform)
+
+
 def kv_status(vllm_config: Any) -> dict[str, Any]:
-    """The KV mode in force for an engine, why, and its bytes a token (all layers, K and V): for the app."""
+    """The KV mode in force for an engine, why, and its bytes a token (all layers, K and V): for the app.
+    It reports the decision the engine was built with (settings.decide's cached one), not a new one."""
     from glyd_engine.vllm_plugin import settings, state
 
     d = settings.decide(vllm_config)

@@ -53,7 +53,7 @@ class GlydAttentionImpl(CPUAttentionBackendImpl):
         self.decision = settings.decide(cfg)
         self.check = settings.check_enabled(cfg)
         self.tables = state.load_tables(cfg.model_config.model)
-        self.code_bits = state.CODE_BITS["in_use"] = settings.code_bits(cfg)
+        self.code_bits = settings.code_bits(cfg)
 
     # -- state ----------------------------------------------------------------------------------
     def _state(self, layer: Any, kv_cache: torch.Tensor) -> state.LayerState:

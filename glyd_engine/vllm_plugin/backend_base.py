@@ -64,7 +64,8 @@ class GlydBackendBase:
                              f"the layer has {spec.num_kv_heads} of size {spec.head_size}")
         from vllm.config import get_current_vllm_config_or_none
 
-        c = tables.token_bytes(state.code_bits_in_use(get_current_vllm_config_or_none()))
+        # vLLM sizes pages with no current config: the config this process decided for has the engine's settings
+        c = tables.token_bytes(settings.code_bits(get_current_vllm_config_or_none() or settings.decided_config()))
         elem = torch.empty(0, dtype=spec.dtype).element_size()
         c += (-c) % elem  # vLLM views the bytes as the spec's dtype
         return replace(spec, state_content_bytes=c)

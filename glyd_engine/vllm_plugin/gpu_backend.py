@@ -117,7 +117,7 @@ class GlydGPUAttentionImpl(AttentionImpl):
         self.check = settings.check_enabled(cfg)
         self.impl = "torch" if settings.kernels(cfg) == "reference" else "cuda"
         self.tables = state.load_tables(cfg.model_config.model)
-        self.code_bits = state.CODE_BITS["in_use"] = settings.code_bits(cfg)
+        self.code_bits = settings.code_bits(cfg)
 
     def _state(self, layer: Any, kv_cache: torch.Tensor) -> state.LayerState:
         st = state.LAYERS.get(layer.layer_name)

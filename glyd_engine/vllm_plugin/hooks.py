@@ -20,10 +20,11 @@ GPU_BACKEND_PATH = "glyd_engine.vllm_plugin.gpu_backend.GlydGPUAttentionBackend"
 
 
 _MARK = "_glyd_wrapped"
+ORIGINAL = "_glyd_original"  # on a wrapper: the class attribute it replaced (tests unwrap with it)
 
 
-def backend_path(vllm_config: Any) -> str:
-    return BACKEND_PATH if settings.kernels(vllm_config) == "torch" else GPU_BACKEND_PATH
+def backend_path(decision: settings.Decision) -> str:
+    return BACKEND_PATH if decision.kernels == "torch" else GPU_BACKEND_PATH
 
 
 def layer_refusal(sel: Any) -> str | None:
@@ -52,6 +53,9 @@ def layer_refusal(sel: Any) -> str | None:
 
 
 def _wrap_selector(platform_cls: type) -> None:
+    import inspect
+
+    raw = inspect.getattr_static(platform_cls, "get_attn_backend_cls")
     original = platform_cls.get_attn_backend_cls  # bound to the class
 
     def get_attn_backend_cls(cls: type, selected_backend: Any, attn_selector_config: Any,
@@ -67,16 +71,20 @@ def _wrap_selector(platform_cls: type) -> None:
         if decision.active:
             why = layer_refusal(attn_selector_config)
             if why is None:
-                return backend_path(cfg)
+                return backend_path(decision)
             raise ValueError(f"Glyd KV cache (kv={decision.asked}) cannot hold this model: "
                              f"it has {why}. {settings.OFF_HINT[0].upper()}{settings.OFF_HINT[1:]}.")
         return original(selected_backend, attn_selector_config, num_heads)
 
     setattr(get_attn_backend_cls, _MARK, True)
+    setattr(get_attn_backend_cls, ORIGINAL, raw)
     platform_cls.get_attn_backend_cls = classmethod(get_attn_backend_cls)
 
 
 def _wrap_config_check(platform_cls: type) -> None:
+    import inspect
+
+    raw = inspect.getattr_static(platform_cls, "check_and_update_config")
     original = platform_cls.check_and_update_config
 
     def check_and_update_config(cls: type, vllm_config: Any) -> None:
@@ -90,6 +98,7 @@ def _wrap_config_check(platform_cls: type) -> None:
         settings.log_decision(decision)
 
     setattr(check_and_update_config, _MARK, True)
+    setattr(check_and_update_config, ORIGINAL, raw)
     platform_cls.check_and_update_config = classmethod(check_and_update_config)
 
 
@@ -98,6 +107,12 @@ def install(platform_cls: type) -> bool:
     if getattr(platform_cls.get_attn_backend_cls, _MARK, False):
         return False
     _wrap_selector(platform_cls)
+    install_config_check(platform_cls)
+    return True
+
+
+def install_config_check(platform_cls: type) -> None:
+    """Wrap only the config check (once): where vLLM lacks a hook, it still refuses lossless/exact asked
+    through either setting, and the decision it caches says why the cache stays vLLM's own."""
     if not getattr(platform_cls.check_and_update_config, _MARK, False):
         _wrap_config_check(platform_cls)
-    return True

@@ -1,9 +1,11 @@
 """What the plugin does for one engine: the KV mode asked for, and the mode that holds after the checks.
 
 Every vLLM process (API server, engine core, workers) resolves the same decision from the same inputs
-(`GLYD_KV`, `vllm_config.additional_config["glyd"]`, the model and parallel config), so nothing has to be
-passed between them. `lossless`/`exact` refuse what the page code cannot hold, with a message that says
-why and what to do; `auto` keeps vLLM's own cache instead and logs why.
+(`GLYD_KV`, `vllm_config.additional_config["glyd"]`, which wins, the model and parallel config, and the vLLM
+hooks `register()` found missing), so nothing has to be passed between them. Within a process the decision
+is made once for the engine's config and cached (`decide`): the config check, the backend selector, the
+attention layers and the app's status all read that one decision. `lossless`/`exact` refuse what the page
+code cannot hold, with a message that says why and what to do; `auto` keeps vLLM's own cache and logs why.
 """
 
 from __future__ import annotations
@@ -178,11 +180,55 @@ def platform_name() -> str:
     return str(getattr(current_platform, "device_name", "unknown"))
 
 
+class UnsupportedVLLMError(ValueError):
+    """vLLM lacks a hook the plugin needs (a version outside the supported range)."""
+
+
+_missing_hooks: list[str] = []  # why this process's vLLM cannot hold Glyd pages (register() records it)
+
+
+def set_missing_hooks(missing: list[str], vllm_version: str) -> None:
+    """register(): what this vLLM lacks. No engine of this process can then hold Glyd pages."""
+    _missing_hooks[:] = [f"this is vLLM {vllm_version}, which lacks {', '.join(missing)}; the Glyd plugin "
+                         f"supports vLLM {SUPPORTED_VLLM}"] if missing else []
+
+
+def missing_hooks() -> str:
+    """Why this vLLM cannot hold Glyd pages ('' when it can)."""
+    return "; ".join(_missing_hooks)
+
+
+_decided: tuple[Any, Decision] | None = None  # (the engine config it was made for, the decision)
+
+
+def decided_config() -> Any:
+    """The engine config this process decided for (None before its first decision): for hooks vLLM calls with
+    no current config (customize_spec, when the worker sizes pages), so they read the same settings."""
+    return _decided[0] if _decided is not None else None
+
+
 def decide(vllm_config: Any) -> Decision:
-    """The mode that runs for this engine; raises ValueError for lossless/exact where it cannot hold."""
+    """This process's decision for its engine (one engine a process): made once from both settings, then the
+    same object for every caller that passes the same config. Raises ValueError for lossless/exact where it
+    cannot hold."""
+    global _decided
+    if _decided is not None and _decided[0] is vllm_config:
+        return _decided[1]
+    d = resolve(vllm_config)
+    _decided = (vllm_config, d)
+    return d
+
+
+def resolve(vllm_config: Any) -> Decision:
+    """The mode that runs for an engine config, worked out afresh (`decide` caches it)."""
     asked = asked_mode(vllm_config)
     if asked == "off":
         return Decision(asked, "off")
+    if _missing_hooks:
+        if asked in ("lossless", "exact"):
+            raise UnsupportedVLLMError(f"Glyd KV cache (kv={asked}) cannot run: {missing_hooks()}. Install a "
+                                       f"supported vLLM, or {OFF_HINT}.")
+        return Decision(asked, "off", missing_hooks())
     why = unsupported(vllm_config, asked)
     if asked in ("lossless", "exact"):
         if why:

@@ -69,19 +69,6 @@ def current_tables() -> KVTables | None:
     return _current
 
 
-CODE_BITS: dict[str, int] = {}  # "in_use": the page code's width the attention layers were built with
-
-
-def code_bits_in_use(vllm_config: Any = None) -> int:
-    """The width this process's layers use: the engine config's when it is at hand, else the one the layers were
-    built with (vLLM sizes pages where no config is current)."""
-    from glyd_engine.vllm_plugin import settings
-
-    if vllm_config is not None:
-        return settings.code_bits(vllm_config)
-    return CODE_BITS.get("in_use") or settings.code_bits(None)
-
-
 @dataclass
 class Stats:
     """Counters over all layers of this process (values are bf16 K or V values)."""

@@ -348,12 +348,14 @@ def worker_weight_bytes(worker: Any) -> dict[str, int]:
 
 def model_weight_bytes(model: torch.nn.Module) -> dict[str, int]:
     """Bytes of the weights Glyd holds resident, and what they would take in bf16 (for reports)."""
-    held_bytes = values = 0
+    held_bytes = values = escapes = 0
     for m in model.modules():
         if hasattr(m, "glyd_shape"):
             held_bytes += int(m.glyd_bytes)
             values += int(m.glyd_sm.numel())
-    return {"glyd_weight_bytes": held_bytes, "glyd_weight_values": values, "bf16_weight_bytes": 2 * values}
+            escapes += int(m.glyd_esc_pos.numel())
+    return {"glyd_weight_bytes": held_bytes, "glyd_weight_values": values, "glyd_weight_escapes": escapes,
+            "bf16_weight_bytes": 2 * values}
 
 
 def refusals(vllm_config: Any) -> list[str]:

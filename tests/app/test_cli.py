@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,20 +31,31 @@ def test_doctor_reports_and_says_what_would_run(glyd_home: Path, capsys: pytest.
     assert report["unwritable"] == [] and "engine" in report
 
 
-def test_doctor_flags_an_unwritable_home(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    home = tmp_path / "ro"
-    home.mkdir()
-    home.chmod(0o500)
-    monkeypatch.setenv("GLYD_HOME", str(home / "glyd"))
+@pytest.fixture(params=["read-only mount", "file in the way"])
+def unwritable_home(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Path]:
+    """A GLYD_HOME nobody can write, root included (these tests run as root, which chmod does not stop): under a
+    read-only bind mount, or under a file standing where a directory should be."""
+    if request.param == "file in the way":
+        (tmp_path / "file").write_text("not a directory")
+        yield tmp_path / "file" / "glyd"
+        return
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    mounted = subprocess.run(["mount", "--bind", "-o", "ro", str(ro), str(ro)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot bind-mount here ({mounted.stderr.strip()}); the file-in-the-way case covers it")
     try:
-        if __import__("os").access(home, __import__("os").W_OK):
-            pytest.skip("running as a user who can write anywhere (root)")
-        assert main(["doctor"]) == 1
-        assert "Not writable" in capsys.readouterr().out
+        yield ro / "glyd"
     finally:
-        home.chmod(0o700)
+        subprocess.run(["umount", str(ro)], check=True)
+
+
+def test_doctor_flags_an_unwritable_home(
+    unwritable_home: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("GLYD_HOME", str(unwritable_home))
+    assert main(["doctor"]) == 1
+    assert "Not writable: cache, data, config" in capsys.readouterr().out
 
 
 def test_glyd_chat_version_and_data_dir(glyd_home: Path) -> None:

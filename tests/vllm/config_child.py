@@ -1,6 +1,7 @@
 """Child process for the refusal tests: build vLLM engine configs (no engine start), report what Glyd
-decided for each case. Prints `GLYD_CASE name` before each case (vLLM's log lines of that case follow on
-stdout) and one JSON line at the end: {case: {"ok": bool, "error": str}}."""
+decided for each case (`--without NAME`: with the hook AttentionBackend.NAME removed first). Prints
+`GLYD_CASE name` before each case (vLLM's log lines of that case follow on stdout) and one JSON line at the
+end: {case: {"ok": bool, "error": str}}."""
 
 from __future__ import annotations
 
@@ -10,6 +11,10 @@ import sys
 
 def main() -> int:
     cases = json.loads(sys.argv[1])
+    if len(sys.argv) > 2:  # "--without NAME": a vLLM that lacks the hook AttentionBackend.NAME
+        from vllm.v1.attention.backend import AttentionBackend
+
+        delattr(AttentionBackend, sys.argv[sys.argv.index("--without") + 1])
     from vllm.engine.arg_utils import EngineArgs
     from vllm.plugins import load_general_plugins
 

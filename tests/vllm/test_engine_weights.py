@@ -28,7 +28,7 @@ def packed(packed_demo_dir: Path) -> dict[str, Any]:
 
 def test_prompt_logprobs_equal_the_bf16_model(off: dict, packed: dict) -> None:
     assert len(packed["prompt_logprobs"][0]) == LONG - 1
-    assert bits_equal(off["prompt_logprobs"], packed["prompt_logprobs"])
+    assert bits_equal(off, packed)
 
 
 def test_greedy_tokens_equal_the_bf16_model(off: dict, packed: dict) -> None:
@@ -45,6 +45,8 @@ def test_weights_stay_compressed_in_memory(packed: dict, packed_demo_dir: Path) 
     assert w["glyd_weight_values"] == packed_values  # every packed tensor is held resident, none as bf16
     bits = 8 * w["glyd_weight_bytes"] / w["glyd_weight_values"]
     assert 12.0 <= bits < 12.3, bits  # 8 sign/mantissa + 4 exponent-offset bits, plus 48 an escape (0.25%)
+    share = w["glyd_weight_escapes"] / w["glyd_weight_values"]  # `glyd bench weights`' resident_escape_share
+    assert 0 < share < 0.005, share
 
 
 def test_glyd_checkpoint_is_detected_and_bf16_is_refused(demo_model_dir: Path, packed_demo_dir: Path) -> None:

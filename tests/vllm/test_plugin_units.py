@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -15,7 +16,8 @@ def _config(kv: str | None = None, **over: object) -> SimpleNamespace:
                           decode_context_parallel_size=1)
     hf = SimpleNamespace(sliding_window=None, layer_types=None)
     model = SimpleNamespace(dtype=torch.bfloat16, use_mla=False, is_hybrid=False, is_attention_free=False,
-                            hf_text_config=hf)
+                            hf_text_config=hf, model="/no/model", get_num_layers=lambda pc: 2,
+                            get_num_kv_heads=lambda pc: 3, get_head_size=lambda: 64)
     cfg = SimpleNamespace(parallel_config=par, speculative_config=None, kv_transfer_config=None,
                           cache_config=SimpleNamespace(cache_dtype="auto", kv_offloading_size=None),
                           model_config=model, additional_config={"glyd": {"kv": kv}} if kv else {})
@@ -37,16 +39,16 @@ def test_modes_and_precedence(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_decisions(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("GLYD_KV", raising=False)
-    assert settings.decide(_config("lossless")).mode == "lossless"
-    assert settings.decide(_config("exact")).mode == "exact"
-    assert settings.decide(_config("off")) == settings.Decision("off", "off")
-    auto = settings.decide(_config())
+    assert settings.resolve(_config("lossless")).mode == "lossless"
+    assert settings.resolve(_config("exact")).mode == "exact"
+    assert settings.resolve(_config("off")) == settings.Decision("off", "off")
+    auto = settings.resolve(_config())
     assert auto.mode == "off" and "not measured as fast" in auto.reason  # CPU: vLLM's own kernel is faster
     spec = _config("lossless", speculative_config=object())
     with pytest.raises(ValueError, match="speculative decoding"):
-        settings.decide(spec)
+        settings.resolve(spec)
     spec.additional_config = {}
-    assert "speculative" in settings.decide(spec).reason
+    assert "speculative" in settings.resolve(spec).reason
 
 
 def test_kernel_choice_by_platform_and_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -55,27 +57,28 @@ def test_kernel_choice_by_platform_and_refusals(monkeypatch: pytest.MonkeyPatch)
 
     monkeypatch.delenv("GLYD_KV_KERNELS", raising=False)
     cfg = _config("lossless")
-    assert settings.kernels(cfg) == "torch" and hooks.backend_path(cfg) == hooks.BACKEND_PATH
+    assert settings.kernels(cfg) == "torch" and hooks.backend_path(settings.resolve(cfg)) == hooks.BACKEND_PATH
     monkeypatch.setattr(settings, "platform_name", lambda: "cuda")
-    assert settings.kernels(cfg) == "cuda" and hooks.backend_path(cfg) == hooks.GPU_BACKEND_PATH
-    assert settings.decide(cfg).mode == "lossless"
+    assert settings.kernels(cfg) == "cuda" and hooks.backend_path(settings.resolve(cfg)) == hooks.GPU_BACKEND_PATH
+    assert settings.resolve(cfg).mode == "lossless"
     with pytest.raises(ValueError, match="exact runs vLLM's own attention on decoded pages.*use lossless"):
-        settings.decide(_config("exact"))
+        settings.resolve(_config("exact"))
     monkeypatch.setenv("GLYD_KV_KERNELS", "torch")
     with pytest.raises(ValueError, match="GLYD_KV_KERNELS=torch is the CPU build's path"):
-        settings.decide(cfg)
-    auto = settings.decide(_config())
+        settings.resolve(cfg)
+    auto = settings.resolve(_config())
     assert auto.mode == "off" and "GLYD_KV_KERNELS=torch" in auto.reason
     monkeypatch.setattr(settings, "platform_name", lambda: "rocm")
     monkeypatch.delenv("GLYD_KV_KERNELS")
     with pytest.raises(ValueError, match="not on rocm.*GLYD_KV=off"):
-        settings.decide(cfg)
+        settings.resolve(cfg)
     monkeypatch.setattr(settings, "platform_name", lambda: "cpu")
     monkeypatch.setenv("GLYD_KV_KERNELS", "cuda")
     with pytest.raises(ValueError, match="GLYD_KV_KERNELS=cuda needs an NVIDIA GPU"):
-        settings.decide(cfg)
+        settings.resolve(cfg)
     monkeypatch.setenv("GLYD_KV_KERNELS", "reference")  # the GPU backend's wiring on the torch reference
-    assert settings.decide(cfg).mode == "lossless" and hooks.backend_path(cfg) == hooks.GPU_BACKEND_PATH
+    decision = settings.resolve(cfg)
+    assert decision.mode == "lossless" and hooks.backend_path(decision) == hooks.GPU_BACKEND_PATH
     monkeypatch.setenv("GLYD_KV_KERNELS", "triton")
     with pytest.raises(ValueError, match="'triton' is not a Glyd kernel choice"):
         settings.kernels(cfg)
@@ -98,14 +101,14 @@ def test_each_unsupported_feature_is_named(change, needle: str) -> None:  # noqa
     cfg = _config("lossless")
     change(cfg)
     with pytest.raises(ValueError, match="cannot run this engine") as err:
-        settings.decide(cfg)
+        settings.resolve(cfg)
     assert needle in str(err.value) and "GLYD_KV=off" in str(err.value)
 
 
 def test_sliding_window_declared_but_unused_is_fine() -> None:
     cfg = _config("lossless")
     cfg.model_config.hf_text_config = SimpleNamespace(sliding_window=4096, use_sliding_window=False)
-    assert settings.decide(cfg).mode == "lossless"
+    assert settings.resolve(cfg).mode == "lossless"
 
 
 def test_layer_refusals() -> None:
@@ -136,6 +139,94 @@ def test_register_is_idempotent_and_hooks_exist() -> None:
 
     assert hooks.install(type(current_platform)) is False  # already wrapped: no double wrap
     assert type(current_platform).get_attn_backend_cls == wrapped
+
+
+@pytest.fixture
+def new_process(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The plugin as a fresh vLLM process finds it (nothing registered, no decision yet); the platform's hooks
+    are put back afterwards."""
+    import inspect
+
+    from vllm.platforms import current_platform
+
+    import glyd_engine.vllm_plugin as plugin
+    from glyd_engine.vllm_plugin import hooks
+
+    cls = type(current_platform)
+    saved = {n: cls.__dict__.get(n) for n in ("get_attn_backend_cls", "check_and_update_config")}
+    originals = {n: inspect.getattr_static(cls, n) for n in saved}
+    for name, raw in originals.items():  # unwrap, as in a process where register() has not run
+        while getattr(getattr(raw, "__func__", None), hooks.ORIGINAL, None) is not None:
+            raw = getattr(raw.__func__, hooks.ORIGINAL)
+        setattr(cls, name, raw)
+    monkeypatch.setattr(plugin, "_registered", False)
+    monkeypatch.setattr(settings, "_decided", None)
+    monkeypatch.setattr(settings, "_missing_hooks", [])
+    monkeypatch.delenv("GLYD_KV", raising=False)
+    yield plugin
+    for name, raw in saved.items():
+        if raw is None:
+            delattr(cls, name)
+        else:
+            setattr(cls, name, raw)
+
+
+def test_a_missing_hook_refuses_lossless_from_additional_config(new_process: Any,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The app and the bench ask through additional_config, which register() cannot see: the refusal comes
+    where the config is made, and the status reports vLLM's own cache with the reason."""
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(new_process, "missing_hooks", lambda: ["AttentionBackend.customize_spec (test)"])
+    from glyd_engine.vllm_plugin import hooks
+
+    new_process.register()  # nothing asked through GLYD_KV: no refusal yet
+    cls = type(current_platform)  # the config check is wrapped (it decides; test_refusals runs it in vLLM) ...
+    assert getattr(cls.check_and_update_config, hooks._MARK, False)
+    assert not getattr(cls.get_attn_backend_cls, hooks._MARK, False)  # ... the selector is not: no GLYD layers
+    with pytest.raises(new_process.UnsupportedVLLMError, match="kv=lossless.*lacks AttentionBackend.customize_spec"
+                                                               ".*GLYD_KV=off"):
+        settings.decide(_config("lossless"))
+    with pytest.raises(ValueError, match="kv=exact.*lacks AttentionBackend.customize_spec"):
+        settings.decide(_config("exact"))
+    auto = _config()
+    decision = settings.decide(auto)
+    assert decision.mode == "off" and "lacks AttentionBackend.customize_spec" in decision.reason
+    status = new_process.kv_status(auto)
+    assert status["mode"] == "vllm" and "lacks AttentionBackend.customize_spec" in status["reason"]
+
+
+def test_a_missing_hook_with_glyd_kv_follows_the_precedence(new_process: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """GLYD_KV=lossless, and the engine's own setting says off: off wins (no refusal at plugin load); the same
+    GLYD_KV with nothing else asked is refused."""
+    monkeypatch.setattr(new_process, "missing_hooks", lambda: ["AttentionBackend.customize_spec (test)"])
+    monkeypatch.setenv("GLYD_KV", "lossless")
+    new_process.register()
+    assert settings.decide(_config("off")).mode == "off"
+    with pytest.raises(ValueError, match="kv=lossless.*lacks"):
+        settings.decide(_config())
+
+
+def test_a_missing_hook_and_no_config_check_refuses_glyd_kv_at_load(new_process: Any,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(new_process, "missing_hooks", lambda: ["Platform.check_and_update_config"])
+    monkeypatch.setattr(new_process, "_platform_cls", lambda: type("NoHooks", (), {}))
+    monkeypatch.setenv("GLYD_KV", "lossless")
+    with pytest.raises(new_process.UnsupportedVLLMError, match="GLYD_KV=lossless.*lacks Platform.check_and_update"):
+        new_process.register()
+
+
+def test_one_decision_a_process_and_the_status_reports_it(new_process: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The status reports the decision the engine was built with, even if the environment changed since."""
+    monkeypatch.setenv("GLYD_KV", "off")
+    cfg = _config()
+    built = settings.decide(cfg)
+    assert built.mode == "off"
+    monkeypatch.setenv("GLYD_KV", "lossless")
+    assert settings.decide(cfg) is built
+    status = new_process.kv_status(cfg)
+    assert status["mode"] == "vllm" and status["bytes_per_token"] == 2 * 2 * 3 * 64 * 2
+    assert settings.decide(_config()).mode == "lossless"  # another engine's config: decided afresh
 
 
 def test_page_size_does_not_depend_on_block_size() -> None:

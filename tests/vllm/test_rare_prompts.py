@@ -42,4 +42,5 @@ def test_rare_prompts_complete_exact_and_escape(rare_run: dict) -> None:
     s = rare_run["stats"]
     assert s["values_checked"] > 0 and s["values_differing"] == 0, s
     assert s["escapes"] > 0, s
-    assert "overflow_values" in s and s["overflow_values"] >= 0, s
+    # rare-token text escapes more than a page's reserve holds: the overflow path ran, and only for some escapes
+    assert 0 < s["overflow_values"] < s["escapes"], s

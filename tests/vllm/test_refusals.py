@@ -71,3 +71,24 @@ def test_lossless_refuses_with_reason(decisions: dict, case: str, why: str) -> N
 def test_unknown_mode_is_named(decisions: dict) -> None:
     assert not decisions["typo"]["ok"]
     assert "'losless' is not a Glyd KV mode" in decisions["typo"]["error"]
+
+
+@pytest.fixture(scope="module")
+def without_hook(demo_model_dir: Path) -> dict:
+    """The same engine configs in a vLLM that lacks a hook the plugin needs (customize_spec)."""
+    demo = str(demo_model_dir)
+    return run_configs({"lossless": {"model": demo, "additional_config": {"glyd": {"kv": "lossless"}}},
+                        "auto": {"model": demo, "additional_config": {"glyd": {"kv": "auto"}}},
+                        "off": {"model": demo, "additional_config": {"glyd": {"kv": "off"}}}},
+                       without_hook="customize_spec")
+
+
+def test_a_missing_hook_refuses_lossless_asked_through_additional_config(without_hook: dict) -> None:
+    """What the app and the bench do: the refusal comes where vLLM makes the config, naming the hook."""
+    d = without_hook["lossless"]
+    assert not d["ok"]
+    assert "kv=lossless" in d["error"] and "lacks AttentionBackend.customize_spec" in d["error"], d["error"]
+    assert "GLYD_KV=off" in d["error"]
+    assert without_hook["off"]["ok"], without_hook["off"]["error"]
+    assert without_hook["auto"]["ok"], without_hook["auto"]["error"]
+    assert "auto keeps vLLM's own KV cache: this is vLLM" in without_hook["auto"]["log"]
