@@ -14,7 +14,7 @@ from vllm.config import get_current_vllm_config
 from vllm.v1.attention.backend import AttentionType, MultipleOf
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
-from glyd_engine.vllm_plugin import state
+from glyd_engine.vllm_plugin import settings, state
 
 NAME = "GLYD"
 
