@@ -132,6 +132,21 @@ class _ShardWriter:
         self.buf, self.crcs, self.size = {}, {}, 0
 
 
+def check_destination(dst: Path, overwrite: bool) -> None:
+    """Refuse a destination whose files pack would lose: `overwrite` replaces only a Glyd checkpoint."""
+    if dst.exists() and not dst.is_dir():
+        raise GlydError(f"{dst} is a file; the checkpoint is a directory: choose a path that does not exist")
+    if not dst.exists() or not any(dst.iterdir()):
+        return
+    if not overwrite:
+        raise GlydError(f"{dst} exists and is not empty; choose another path, or pass --force to replace the Glyd "
+                        "checkpoint there")
+    if not is_glyd_checkpoint(dst):
+        raise GlydError(f"{dst} is not a Glyd checkpoint (its config.json does not say quant_method \"glyd\"): "
+                        "--force replaces only a Glyd checkpoint, never other files; nothing was changed. "
+                        "Choose another path")
+
+
 def pack_model(src: Path, dst: Path, progress: ProgressCallback = no_progress,
                cancel: CancelToken | None = None, overwrite: bool = False) -> PackReport:
     from safetensors import safe_open
@@ -139,8 +154,7 @@ def pack_model(src: Path, dst: Path, progress: ProgressCallback = no_progress,
     src, dst = Path(src), Path(dst)
     if dst.resolve() == src.resolve():
         raise GlydError("the destination must differ from the source")
-    if dst.exists() and any(dst.iterdir()) and not overwrite:
-        raise GlydError(f"{dst} exists and is not empty; choose another path or pass --force")
+    check_destination(dst, overwrite)
     tensors = check_source(src)
     total = sum(int(np.prod(i["shape"])) * _SAFETENSORS_DTYPES.get(i["dtype"], 2) for _, i in tensors.values())
     report = PackReport()
