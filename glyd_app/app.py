@@ -146,6 +146,7 @@ class GlydApp(App[None]):
         self.last_error = None
         bar = self.stats_bar
         bar.ready = None
+        bar.stats = None  # the previous engine's last reply says nothing about this one
         bar.state = f"starting {_short(spec)}…"
         self.chat_screen.show_banner("")
         if show_progress:
@@ -236,9 +237,12 @@ class GlydApp(App[None]):
         self.last_error = error
         self._close_start_screen()
         self.stats_bar.ready = None
-        self.stats_bar.state = f"failed ({error.kind}): {error.message}"
-        self.chat_screen.show_banner(f"Engine: {error.message}  ·  Ctrl+R restarts, F2 picks another model")
-        if error.kind == "cancelled":
+        self.stats_bar.stats = None
+        cancelled = error.kind == "cancelled"
+        self.stats_bar.state = "start cancelled" if cancelled else f"failed ({error.kind}): {error.message}"
+        what = "start cancelled" if cancelled else error.message
+        self.chat_screen.show_banner(f"Engine: {what}  ·  Ctrl+R restarts, F2 picks another model")
+        if cancelled:
             self.notify("Start cancelled. Ctrl+R starts again; F2 picks another model.")
             return
 
@@ -267,7 +271,11 @@ class GlydApp(App[None]):
             self.ready_info = ev
             self._close_start_screen()
             self.stats_bar.ready = ev
+            self.stats_bar.stats = None
             self.notify(f"{ev.name} is ready ({ev.engine}, loaded in {ev.load_seconds:.0f} s)", timeout=4)
+            if ev.weights_dtype not in ("", "glyd", ev.dtype):
+                self.notify(f"{ev.name}'s weights are {ev.weights_dtype}; they run as {ev.dtype} (rounded on "
+                            "load, so not bit-exact to the file)", severity="warning", timeout=10)
             await chat.maybe_reply()
         elif isinstance(ev, Delta):
             await chat.on_delta(ev)
@@ -407,6 +415,7 @@ class GlydApp(App[None]):
                 "temperature": chat.temperature,
                 "top_p": chat.top_p,
                 "max_tokens": chat.max_tokens,
+                "seed": chat.seed,
             }
         new = self.store.new_chat(model=self.model_spec, **settings)
         await self.open_chat(new.id)
@@ -426,11 +435,13 @@ class GlydApp(App[None]):
                     temperature=settings.temperature,
                     top_p=settings.top_p,
                     max_tokens=settings.max_tokens,
+                    seed=settings.seed,
                 )
                 self.chat_screen.retitle()
                 self.notify("Chat settings saved")
 
-        self.push_screen(ChatSettingsScreen(self.store.chat(chat.id)), saved)
+        defaults = self.ready_info.sampling_defaults if self.ready_info is not None else None
+        self.push_screen(ChatSettingsScreen(self.store.chat(chat.id), defaults), saved)
 
     def action_export(self) -> None:
         if self.chat_screen.chat is not None:

@@ -153,6 +153,7 @@ class ChatScreen(Screen[None]):
             top_p=chat.top_p,
             max_tokens=chat.max_tokens,
             system_prompt=chat.system_prompt,
+            seed=chat.seed,
         )
         model = self.app.model_spec
         stored = self.app.store.add_message(chat.id, "assistant", "", status="streaming", model=model)
@@ -163,7 +164,9 @@ class ChatScreen(Screen[None]):
         self.reply_view, self.reply_id = view, stored.id
         self.reply_rid = self.app.generate(history, params)
         self.last_save = time.monotonic()
-        self.query_one(StatsBar).busy = True
+        bar = self.query_one(StatsBar)
+        bar.stats = None  # the previous reply's numbers say nothing about this one
+        bar.busy = True
 
     def action_stop(self) -> None:
         if self.busy:

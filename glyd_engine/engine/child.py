@@ -92,6 +92,8 @@ def classify(exc: BaseException) -> str:
 
 def user_message(exc: BaseException) -> str:
     """The first line a user sees: the most specific message in the exception chain."""
+    if isinstance(exc, Cancelled):
+        return "start cancelled"
     seen: list[str] = []
     cur: BaseException | None = exc
     while cur is not None and len(seen) < 5:

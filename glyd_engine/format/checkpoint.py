@@ -20,6 +20,7 @@ import torch
 from glyd_engine.atomic import atomic_dir
 from glyd_engine.errors import CorruptFileError, GlydError, MismatchError, UnsupportedModelError
 from glyd_engine.format import FORMAT_VERSION, weights
+from glyd_engine.models import SAFETENSORS_ITEM_BYTES
 from glyd_engine.progress import CancelToken, PhaseTimer, ProgressCallback, no_progress
 
 MIN_PACKED_VALUES = 4096  # smaller tensors (norms, biases) stay plain: their tables would cost more
@@ -27,9 +28,6 @@ SHARD_BYTES = 1 << 30  # an output file is flushed past this many bytes
 INDEX = "model.safetensors.index.json"
 PLAIN_CRC_KEY = "glyd_plain_crc32"
 QUANT_METHOD = "glyd"
-
-_SAFETENSORS_DTYPES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
-                       "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
 
 
 def read_header(path: Path) -> dict[str, dict]:
@@ -156,7 +154,7 @@ def pack_model(src: Path, dst: Path, progress: ProgressCallback = no_progress,
         raise GlydError("the destination must differ from the source")
     check_destination(dst, overwrite)
     tensors = check_source(src)
-    total = sum(int(np.prod(i["shape"])) * _SAFETENSORS_DTYPES.get(i["dtype"], 2) for _, i in tensors.values())
+    total = sum(int(np.prod(i["shape"])) * SAFETENSORS_ITEM_BYTES.get(i["dtype"], 2) for _, i in tensors.values())
     report = PackReport()
     with atomic_dir(dst) as tmp:
         timer = PhaseTimer("pack", f"packing {src.name}", total, progress, cancel)
