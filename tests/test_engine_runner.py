@@ -286,3 +286,25 @@ def test_replies_sample_with_the_models_defaults_and_a_fresh_seed() -> None:
     mine = sampling_kwargs(p.GenerationParams(temperature=0.0, top_p=0.5, seed=7), defaults, 100)
     assert (mine["temperature"], mine["top_p"], mine["seed"]) == (0.0, 0.5, 7)
     assert "temperature" not in sampling_kwargs(p.GenerationParams(), {}, 100)  # vLLM's neutral default
+
+
+def test_one_smoothed_eta_per_phase() -> None:
+    """No estimate from start-up noise; a steady rate gives a true ETA; a slowdown moves it gradually."""
+    from glyd_engine.progress import PhaseTimer
+
+    now = [0.0]
+    events: list = []
+    timer = PhaseTimer("kv-tables", "calibrating", 100, events.append, clock=lambda: now[0])
+    for i in range(1, 51):  # 1 unit a second
+        now[0] = float(i)
+        timer.update(i)
+        if i == 2:
+            assert events[-1].eta_s is None  # before 3 s: no estimate from start-up noise
+    assert abs(events[-1].eta_s - 50) < 1  # 50 units left at 1 a second
+    etas = []
+    for i in range(51, 61):  # the machine gets busy: 1 unit every 2 s
+        now[0] += 2.0
+        timer.update(i)
+        etas.append(events[-1].eta_s)
+    assert all(b >= a - 2 for a, b in zip(etas, etas[1:], strict=False))  # no jumping back and forth
+    assert 45 < etas[0] < 60 and 60 < etas[-1] < 80  # heading for 80 s (40 units at 2 s), step by step

@@ -50,6 +50,8 @@ def _engine(spec: dict[str, Any]) -> Any:
             kwargs[k] = int(spec[k])
     if spec.get("quantization"):
         kwargs["quantization"] = spec["quantization"]
+    if spec.get("compiled"):  # vLLM's default mode (torch.compile) instead of eager
+        kwargs["enforce_eager"] = False
     return LLM(**kwargs)
 
 
@@ -101,6 +103,7 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
     llm = _engine(spec)
     cfg = llm.llm_engine.vllm_config.cache_config
     res: dict[str, Any] = {"mode": spec["mode"], "vllm": vllm.__version__, "start_s": round(time.monotonic() - t0, 1),
+                           "compilation_mode": str(llm.llm_engine.vllm_config.compilation_config.mode),
                            "num_blocks": cfg.num_gpu_blocks, "block_size": cfg.block_size,
                            "kv_tokens": int(cfg.num_gpu_blocks or 0) * int(cfg.block_size)}
     tok = llm.get_tokenizer()

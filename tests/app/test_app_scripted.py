@@ -81,6 +81,10 @@ async def test_message_typed_while_starting_is_sent_when_ready(scripted_app: Mak
     app = scripted_app(Script(start=[Progress("kv-tables", "calibrating", 3, 48, 60.0)]))
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: isinstance(app.screen, StartScreen))
+        await pilot.pause(0.1)
+        shown = " ".join(str(w.render()) for w in app.screen.query("Label, ProgressBar *"))
+        assert shown.count("left") == 1 and "about 1 min 00 s left" in shown  # one ETA: the engine's
+        assert "--:--:--" not in shown and "00:00:" not in shown  # the bar has none of its own
         await pilot.press("escape")  # hide the progress, keep typing
         await type_text(pilot, "hello")
         await pilot.press("enter")
