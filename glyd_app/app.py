@@ -56,6 +56,7 @@ class GlydApp(App[None]):
         Binding("f2", "models", "Model", id="glyd.models"),
         Binding("f3,ctrl+o", "chats", "Chats", id="glyd.chats"),
         Binding("f4", "chat_settings", "Settings", id="glyd.chat_settings"),
+        Binding("f5", "kv_mode", "KV mode", id="glyd.kv_mode"),
         Binding("ctrl+n", "new_chat", "New chat", id="glyd.new_chat"),
         Binding("ctrl+s", "export", "Export", id="glyd.export", show=False),
         Binding("ctrl+r", "restart_engine", "Restart engine", id="glyd.restart", show=False),
@@ -375,6 +376,30 @@ class GlydApp(App[None]):
     def action_restart_engine(self) -> None:
         self.start_engine(self.model_spec)
 
+    def action_kv_mode(self) -> None:
+        from glyd_app.screens.kv_mode import KVModeScreen
+
+        ready = self.ready_info
+        in_force = ""
+        if ready is not None:
+            mode = {"vllm": "vLLM's own cache"}.get(ready.kv_mode, f"Glyd {ready.kv_mode}")
+            in_force = f"Now: {mode}" + (f" ({ready.kv_reason})" if ready.kv_reason else "")
+
+        def chosen(mode: str | None) -> None:
+            if mode is None:
+                return
+            from glyd_app.config import save_engine_setting
+
+            try:
+                save_engine_setting("kv", mode)
+            except OSError as exc:
+                self.notify(f"KV mode not saved to config.toml ({exc}); used for this run only", severity="error")
+            self.settings.kv = mode
+            self.notify(f"KV mode {mode}: restarting the engine")
+            self.start_engine(self.model_spec)
+
+        self.push_screen(KVModeScreen(self.settings.kv, in_force), chosen)
+
     def action_chats(self) -> None:
         from glyd_app.screens.chats import ChatList
 
@@ -485,10 +510,12 @@ class GlydApp(App[None]):
                 self.action_export,
             ),
             ("Rename chat", "Give this chat a title", self.action_rename_chat),
-            ("Chat settings", "System prompt, temperature, top-p, max tokens", self.action_chat_settings),
+            ("Chat settings", "System prompt, temperature, top-p, max tokens, seed", self.action_chat_settings),
             ("Copy last reply", "Copy the last assistant message", self.copy_last_reply),
             ("Stop reply", "Stop the reply being generated", self.chat_screen.action_stop),
             ("Restart engine", "Shut the engine down and start it again", self.action_restart_engine),
+            ("KV cache mode…", "auto, lossless, exact or off: what each costs here; restarts the engine",
+             self.action_kv_mode),
             ("Show start progress", "Show the engine start screen again", self.show_start_screen),
             ("Help", "Keys, files and what the numbers mean", self.action_help),
         ]

@@ -285,3 +285,29 @@ async def test_quick_successive_switches_leave_one_engine(scripted_app: MakeApp,
         )  # type: ignore[attr-defined]
         await pilot.pause(0.2)
         assert [e for e in engines if e.running] == [app.engine]
+
+
+async def test_kv_mode_is_chosen_in_the_app_saved_and_the_engine_restarts(scripted_app: MakeApp,
+                                                                         glyd_home: Path) -> None:
+    """F5 lists the modes with what each costs; picking one keeps the user's config.toml lines, saves the mode
+    there and restarts the engine with it."""
+    from glyd_app.config import config_path, load_engine_settings
+
+    config_path().parent.mkdir(parents=True)
+    config_path().write_text("# mine\n[engine]\nmax_model_len = 2048\n")
+    app = scripted_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await _ready(pilot, app)
+        await pilot.press("f5")
+        await wait_for(pilot, lambda: app.screen.__class__.__name__ == "KVModeScreen")
+        options = app.screen.query_one("#kv-modes")
+        texts = [str(options.get_option_at_index(i).prompt) for i in range(options.option_count)]
+        assert any("lossless" in t and "KV tables" in t and "slower" in t for t in texts), texts
+        await pilot.press("up", "up", "enter")  # from the current mode (off, the fixture's) to lossless
+        engines = app.engine_factory.engines  # type: ignore[attr-defined]
+        await wait_for(pilot, lambda: len(engines) == 2 and app.engine_state == "ready")
+        assert engines[-1].started[-1][1].kv == "lossless" and app.settings.kv == "lossless"
+    text = config_path().read_text()
+    assert text.startswith("# mine\n[engine]\n") and 'kv = "lossless"' in text and "max_model_len = 2048" in text
+    settings, error = load_engine_settings()
+    assert error is None and settings.kv == "lossless" and settings.max_model_len == 2048
