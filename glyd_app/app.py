@@ -340,7 +340,7 @@ class GlydApp(App[None]):
                 "On a focused message: copy it / its last code block",
                 "glyd.copy_message / glyd.copy_code",
             ),
-            ("ctrl+p", "Command palette", ""),
+            ("ctrl+p", "Command palette (Textual's own key)", ""),
         ]
         places = {
             "keymap": str(keymap_path()),
@@ -512,6 +512,10 @@ class GlydApp(App[None]):
             ("Rename chat", "Give this chat a title", self.action_rename_chat),
             ("Chat settings", "System prompt, temperature, top-p, max tokens, seed", self.action_chat_settings),
             ("Copy last reply", "Copy the last assistant message", self.copy_last_reply),
+            ("Regenerate the last reply", "Ask again; the last reply is replaced (Ctrl+G)",
+             self.chat_screen.action_regenerate),
+            ("Edit the last message", "Take it back into the box; it and its reply leave the chat (Ctrl+T)",
+             self.chat_screen.action_edit_last),
             ("Stop reply", "Stop the reply being generated", self.chat_screen.action_stop),
             ("Restart engine", "Shut the engine down and start it again", self.action_restart_engine),
             ("KV cache mode…", "auto, lossless, exact or off: what each costs here; restarts the engine",

@@ -40,7 +40,7 @@ class HelpScreen(ModalScreen[None]):
         self.rows, self.places = rows, places
 
     def compose(self) -> ComposeResult:
-        rows = "\n".join(f"| `{k}` | {d} | `{i}` |" for k, d, i in self.rows)
+        rows = "\n".join(f"| `{k}` | {d} | {f'`{i}`' if i else '(fixed)'} |" for k, d, i in self.rows)
         with VerticalScroll():
             yield Markdown(HELP.format(rows=rows, **self.places))
 

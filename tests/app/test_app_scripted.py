@@ -12,6 +12,7 @@ from scripted import READY, Script
 from glyd_app.app import GlydApp
 from glyd_app.screens.dialogs import EngineFailed
 from glyd_app.screens.start import StartScreen
+from glyd_app.widgets.chat_input import ChatInput
 from glyd_app.widgets.messages import MessageView
 from glyd_app.widgets.stats_bar import StatsBar
 from glyd_engine.engine.protocol import Error, Progress
@@ -227,6 +228,10 @@ async def test_palette_help_and_remapped_key(scripted_app: MakeApp, glyd_home: P
         await wait_for(pilot, lambda: app.chat_screen.chat.id != first)  # type: ignore[union-attr]
         await pilot.press("f1")
         await wait_for(pilot, lambda: app.screen.__class__.__name__ == "HelpScreen")
+        rows = {k: i for k, _, i in app.screen.rows}  # type: ignore[attr-defined]
+        assert rows["ctrl+b"] == "glyd.new_chat" and rows["ctrl+g"] == "glyd.regenerate"
+        help_text = app.screen.query_one("Markdown").source  # type: ignore[attr-defined]
+        assert "| `ctrl+p` | Command palette (Textual's own key) | (fixed) |" in help_text  # no empty cell
         await pilot.press("escape")
         await pilot.press("ctrl+p")
         await wait_for(pilot, lambda: app.screen.__class__.__name__ == "CommandPalette")
@@ -311,3 +316,46 @@ async def test_kv_mode_is_chosen_in_the_app_saved_and_the_engine_restarts(script
     assert text.startswith("# mine\n[engine]\n") and 'kv = "lossless"' in text and "max_model_len = 2048" in text
     settings, error = load_engine_settings()
     assert error is None and settings.kv == "lossless" and settings.max_model_len == 2048
+
+
+async def test_ctrl_c_stops_a_reply_and_copies_otherwise(scripted_app: MakeApp) -> None:
+    app = scripted_app(Script(hold=True))
+    async with app.run_test(size=SIZE) as pilot:
+        await _ready(pilot, app)
+        await type_text(pilot, "tell me a story")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: app.chat_screen.busy)
+        await pilot.press("ctrl+c")
+        await wait_for(pilot, lambda: not app.chat_screen.busy)
+        assert app.store.messages(app.chat_screen.chat.id)[-1].status == "stopped"  # type: ignore[union-attr]
+        await focus_input(pilot, app)
+        await type_text(pilot, "copy me")
+        await pilot.press("shift+home", "ctrl+c")  # no reply streaming: the selection is copied
+        await wait_for(pilot, lambda: app.clipboard == "copy me")
+
+
+async def test_regenerate_and_edit_the_last_message(scripted_app: MakeApp) -> None:
+    """Ctrl+G asks again (the previous reply is replaced); Ctrl+T takes the last message back into the box
+    (it and its reply leave the chat) to be sent again as edited."""
+    app = scripted_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await _ready(pilot, app)
+        await type_text(pilot, "Capital of France?")
+        await pilot.press("enter")
+        chat_id = app.chat_screen.chat.id  # type: ignore[union-attr]
+        await wait_for(pilot, lambda: len(app.store.messages(chat_id)) == 2 and not app.chat_screen.busy)
+        first_reply = app.store.messages(chat_id)[1].created
+        engine = app.engine_factory.engines[-1]  # type: ignore[attr-defined]
+        await pilot.press("ctrl+g")
+        await wait_for(pilot, lambda: len(engine.requests) == 2 and not app.chat_screen.busy)
+        stored = app.store.messages(chat_id)
+        assert [m.role for m in stored] == ["user", "assistant"] and stored[1].created > first_reply
+        assert engine.requests[1][0] == engine.requests[0][0]  # the same conversation, asked again
+        assert len(app.query(MessageView)) == 2
+        await pilot.press("ctrl+t")
+        await wait_for(pilot, lambda: app.chat_screen.query_one(ChatInput).text == "Capital of France?")
+        assert app.store.messages(chat_id) == [] and len(app.query(MessageView)) == 0
+        await type_text(pilot, " And of Italy?")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: len(engine.requests) == 3 and not app.chat_screen.busy)
+        assert engine.requests[2][0] == [{"role": "user", "content": "Capital of France? And of Italy?"}]
