@@ -88,19 +88,6 @@ def gpus() -> list[dict[str, Any]]:
     return found
 
 
-def meminfo() -> dict[str, int]:
-    info: dict[str, int] = {}
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            key, value = line.split(":", 1)
-            if key in ("MemTotal", "MemAvailable"):
-                info[key] = int(value.split()[0]) * 1024
-    except OSError:
-        with contextlib.suppress(ValueError, OSError, AttributeError):
-            info["MemTotal"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return info
-
-
 def probe_engine(python: str) -> dict[str, Any]:
     try:
         proc = subprocess.run([python, "-c", PROBE], capture_output=True, text=True, timeout=120)
@@ -129,6 +116,7 @@ def findings() -> dict[str, Any]:
     from glyd_engine import __version__
     from glyd_engine.commands.paths import all_places
     from glyd_engine.engine.install import engine_available, engine_flavor, engine_python, engine_venv
+    from glyd_engine.machine import meminfo
 
     places = all_places()
     python = engine_python()

