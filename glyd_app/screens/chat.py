@@ -171,10 +171,12 @@ class ChatScreen(Screen[None]):
         bar = self.query_one(StatsBar)
         bar.stats = None  # the previous reply's numbers say nothing about this one
         bar.busy = True
+        self.refresh_bindings()
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        if action == "interrupt":
-            return self.busy  # nothing to stop: Ctrl+C goes on to copy
+        if action in ("stop", "interrupt"):
+            # only while a reply streams (and only then in the footer); otherwise Ctrl+C goes on to copy
+            return self.busy
         return True
 
     def action_interrupt(self) -> None:
@@ -183,8 +185,6 @@ class ChatScreen(Screen[None]):
     def action_stop(self) -> None:
         if self.busy:
             self.app.stop_generation()
-        else:
-            self.notify("Nothing to stop.", timeout=2)
 
     async def _drop_from(self, message_id: int) -> None:
         """Remove a message and every later one of this chat, from the store and the screen."""
@@ -255,6 +255,7 @@ class ChatScreen(Screen[None]):
         # the reply is over (a new message may be sent) only once the store holds its final state
         self.reply_view = self.reply_id = self.reply_rid = None
         self.query_one(StatsBar).busy = False
+        self.refresh_bindings()
         self.query_one("#messages", VerticalScroll).scroll_end(animate=False)
 
     def last_reply(self) -> MessageView | None:

@@ -70,7 +70,7 @@ def memory_line(ready: Ready, in_use: int, rss: int | None = None) -> Text:
     run = DTYPES.get(ready.dtype, ready.dtype) or "bf16"
     if ready.weights_dtype == "glyd":
         saved = ratio(ready.weights_bytes, ready.weights_bf16_bytes)
-        text.append(f" Glyd (bf16 {gib(ready.weights_bf16_bytes, scale)}: {saved})", style="dim")
+        text.append(f" Glyd (bf16 {gib(ready.weights_bf16_bytes, scale).split()[0]}: {saved})", style="dim")
     elif ready.weights_dtype and ready.weights_dtype != ready.dtype:
         text.append(f" {run} (from {DTYPES.get(ready.weights_dtype, ready.weights_dtype)} weights, rounded on load)",
                     style="yellow")
@@ -79,7 +79,8 @@ def memory_line(ready: Ready, in_use: int, rss: int | None = None) -> Text:
     text.append(" · KV ", style="dim")
     text.append(f"{in_use:,}/{ready.kv_capacity_tokens:,} tok", style="bold")
     if ready.kv_bytes_per_token:
-        text.append(f" · {ready.kv_bytes_per_token / 1024:,.1f} KiB/tok", style="bold")
+        text.append(", ", style="dim")
+        text.append(f"{ready.kv_bytes_per_token / 1024:,.1f} KiB/tok", style="bold")
         text.append(
             f" (bf16 {ready.kv_bf16_bytes_per_token / 1024:,.1f}: "
             f"{ratio(ready.kv_bytes_per_token, ready.kv_bf16_bytes_per_token)})",
@@ -87,7 +88,7 @@ def memory_line(ready: Ready, in_use: int, rss: int | None = None) -> Text:
         )
     rss = rss if rss is not None else ready.rss_bytes
     if rss:
-        text.append(" · engine RAM ", style="dim")
+        text.append(" · RAM ", style="dim")  # the engine process's resident memory (Help says so)
         text.append(gib(rss), style="bold")
     return text
 

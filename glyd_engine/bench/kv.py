@@ -103,7 +103,7 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
     llm = _engine(spec)
     cfg = llm.llm_engine.vllm_config.cache_config
     res: dict[str, Any] = {"mode": spec["mode"], "vllm": vllm.__version__, "start_s": round(time.monotonic() - t0, 1),
-                           "compilation_mode": str(llm.llm_engine.vllm_config.compilation_config.mode),
+                           "compilation_mode": getattr(llm.llm_engine.vllm_config.compilation_config.mode, "name", ""),
                            "num_blocks": cfg.num_gpu_blocks, "block_size": cfg.block_size,
                            "kv_tokens": int(cfg.num_gpu_blocks or 0) * int(cfg.block_size)}
     tok = llm.get_tokenizer()

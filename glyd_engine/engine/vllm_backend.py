@@ -216,7 +216,8 @@ class VllmBackend:
             path=str(self.model_dir),
             architecture=archs[0],
             device="cpu" if cpu else "cuda",
-            engine=f"vLLM {vllm.__version__} ({'CPU' if cpu else 'CUDA'} build{', eager' if eager else ''})",
+            engine=f"vLLM {vllm.__version__} ({'CPU' if cpu else 'CUDA'} build{', eager' if eager else ''}"
+                   + (f", {_threads()} threads)" if cpu else ")"),
             max_model_len=int(vc.model_config.max_model_len),
             kv_capacity_tokens=self.capacity,
             kv_bytes_per_token=kv.bytes_per_token,
@@ -354,6 +355,12 @@ def sampling_kwargs(p: GenerationParams, defaults: dict[str, Any], room: int) ->
     kw["max_tokens"] = max(1, min(int(p.max_tokens), room))
     kw["seed"] = int(p.seed) if p.seed is not None else secrets.randbelow(1 << 31)
     return kw
+
+
+def _threads() -> int:
+    import torch
+
+    return int(torch.get_num_threads())
 
 
 def _display_name(model: str, model_dir: Path) -> str:
