@@ -308,3 +308,16 @@ def test_one_smoothed_eta_per_phase() -> None:
         etas.append(events[-1].eta_s)
     assert all(b >= a - 2 for a, b in zip(etas, etas[1:], strict=False))  # no jumping back and forth
     assert 45 < etas[0] < 60 and 60 < etas[-1] < 80  # heading for 80 s (40 units at 2 s), step by step
+
+
+def test_weights_are_reported_as_the_engine_holds_them(tmp_path: Path) -> None:
+    """An fp32 checkpoint run as bf16 holds half its file: the report says both dtypes and the held size."""
+    import torch
+    from safetensors.torch import save_file
+
+    from glyd_engine.engine.report import weights_report
+
+    save_file({"w": torch.zeros(256, 256), "n": torch.zeros(256, dtype=torch.int64)}, str(tmp_path / "m.safetensors"))
+    r = weights_report(tmp_path, run_bytes=2)
+    assert r.dtype == "float32" and r.file_bytes == 256 * 256 * 4 + 256 * 8
+    assert r.bytes == r.bf16_bytes == 256 * 256 * 2 + 256 * 8  # held as bf16 (not the file's 4 bytes a value)

@@ -204,7 +204,7 @@ class VllmBackend:
                 resident = int(self.engine.collective_rpc(worker_weight_bytes)[0]["glyd_weight_bytes"])
             except Exception as exc:  # a report only: fall back to the bytes on disk
                 log.warning("resident weight bytes unavailable (%s); reporting the checkpoint's size", exc)
-        weights = weights_report(self.model_dir, resident, run_bytes=2 if "16" in str(vc.model_config.dtype) else 4)
+        weights = weights_report(self.model_dir, resident, run_bytes=vc.model_config.dtype.itemsize)
         try:  # the model's generation_config.json, as vLLM's OpenAI server applies it
             self.sampling_defaults = dict(vc.model_config.get_diff_sampling_param())
         except Exception as exc:  # noqa: BLE001 - a model without one samples with vLLM's neutral defaults

@@ -359,3 +359,15 @@ async def test_regenerate_and_edit_the_last_message(scripted_app: MakeApp) -> No
         await pilot.press("enter")
         await wait_for(pilot, lambda: len(engine.requests) == 3 and not app.chat_screen.busy)
         assert engine.requests[2][0] == [{"role": "user", "content": "Capital of France? And of Italy?"}]
+
+
+async def test_a_cancelled_start_reads_as_cancelled_not_failed(scripted_app: MakeApp) -> None:
+    app = scripted_app(Script(start=[Progress("kv-tables", "calibrating", 3, 48, 60.0)]))
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: isinstance(app.screen, StartScreen))
+        await pilot.press("ctrl+x")
+        await wait_for(pilot, lambda: app.engine_state == "failed")
+        await pilot.pause(0.1)
+        bar = app.chat_screen.query_one(StatsBar).render().plain
+        assert "engine: start cancelled" in bar and "failed" not in bar and "Cancelled:" not in bar
+        assert app.screen is app.chat_screen  # no failure dialog for the user's own cancel

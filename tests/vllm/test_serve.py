@@ -44,8 +44,10 @@ def served(demo_model_dir: Path, packed_demo_dir: Path, tmp_path_factory: pytest
                                 stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         # the Glyd checkpoint in vLLM's default (compiled) mode, while the server compiles beside it
+        # (vLLM's server takes 2,048 tokens a step; the same here, so inductor builds the same kernels)
         packed = engine({"model": packed_demo_dir, "mode": "off", "quantization": "glyd", "compiled": True,
-                         "max_model_len": 1024, "work": {"logprobs": [PROMPT_TOKENS]}})
+                         "max_model_len": 1024, "max_num_batched_tokens": 2048,
+                         "work": {"logprobs": [PROMPT_TOKENS]}})
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
         deadline = time.monotonic() + START_TIMEOUT
         while True:
