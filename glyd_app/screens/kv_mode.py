@@ -21,8 +21,8 @@ MODES: list[tuple[str, str, str]] = [
      "vLLM's own everywhere: no table build, full speed."),
     ("lossless", "lossless",
      "Glyd's pages: ~1.42x the tokens in the same memory, every value exact. The first start of each model "
-     "builds its KV tables (about 1.5 min for the demo model on 2 CPU cores). On a CPU, replies are about 9x "
-     "slower than with vLLM's own cache (decode at batch 8: 17.6 vs 165.7 tok/s)."),
+     "builds its KV tables (1.5 to 5 min for the demo model on 2 shared CPU cores). On a CPU, replies are about 10x "
+     "slower than with vLLM's own cache (decode at batch 8: 13.2 vs 145.1 tok/s)."),
     ("exact", "exact",
      "The same pages, and attention runs on the decoded values with vLLM's own kernel, so replies equal vLLM's "
      "own cache's bit for bit. On a CPU it costs what lossless costs (the same code runs); not on CUDA."),
