@@ -38,7 +38,7 @@ class ChatScreen(Screen[None]):
     BINDINGS = [
         Binding("escape", "stop", "Stop reply", id="glyd.stop"),
         # Ctrl+C stops a reply too, as in a terminal; when none is streaming it copies, as TextArea does.
-        Binding("ctrl+c", "interrupt", "Stop reply", id="glyd.interrupt", show=False, priority=True),
+        Binding("ctrl+c", "stop", "Stop reply", id="glyd.interrupt", show=False, priority=True),
         Binding("ctrl+g", "regenerate", "Regenerate", id="glyd.regenerate", show=False),
         Binding("ctrl+t", "edit_last", "Edit last message", id="glyd.edit_last", show=False),
     ]
@@ -174,13 +174,10 @@ class ChatScreen(Screen[None]):
         self.refresh_bindings()
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        if action in ("stop", "interrupt"):
+        if action == "stop":
             # only while a reply streams (and only then in the footer); otherwise Ctrl+C goes on to copy
             return self.busy
         return True
-
-    def action_interrupt(self) -> None:
-        self.action_stop()
 
     def action_stop(self) -> None:
         if self.busy:
