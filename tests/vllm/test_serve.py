@@ -92,16 +92,19 @@ def test_glyd_serve_demo_answers_a_streamed_chat_with_its_defaults(served: dict[
 def test_a_glyd_checkpoint_serves_compiled_with_the_bf16_models_logprobs(served: dict[str, Any],
                                                                        demo_model_dir: Path) -> None:
     """torch.compile traces the Glyd weight ops through their fake implementations (the embedding's decode
-    has a data-dependent size that dynamo cannot guard on): the packed demo model, compiled, gives the same
-    prompt logprobs as the bf16 demo model compiled by the server, bit for bit."""
+    has a data-dependent size that dynamo cannot guard on, which crashed the compile): the packed demo model,
+    compiled, gives the prompt logprobs of the bf16 demo model compiled by the server, to bf16 rounding (the
+    two engines are separate processes with their own inductor kernels, so not bit for bit)."""
     from transformers import AutoTokenizer
 
     from glyd_engine.bench.kv import corpus_ids
 
     packed = served["packed"]
-    assert "DYNAMO_TRACE_ONCE" in packed["compilation_mode"]
+    assert packed["compilation_mode"] == "DYNAMO_TRACE_ONCE"
     ids = corpus_ids(AutoTokenizer.from_pretrained(str(demo_model_dir)), PROMPT_TOKENS)
     out = served["client"].completions.create(model=served["model"], prompt=ids, max_tokens=1, temperature=0,
                                               extra_body={"prompt_logprobs": 0})
     served_lps = [d[str(t)]["logprob"] for d, t in zip(out.choices[0].prompt_logprobs[1:], ids[1:], strict=True)]
-    assert packed["prompt_logprobs"][0] == served_lps
+    diffs = [abs(a - b) for a, b in zip(packed["prompt_logprobs"][0], served_lps, strict=True)]
+    assert len(diffs) == PROMPT_TOKENS - 1
+    assert max(diffs) < 1e-2 and sum(diffs) / len(diffs) < 1e-3, (max(diffs), sum(diffs) / len(diffs))
