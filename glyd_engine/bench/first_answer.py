@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from typing import Any
 
 QUESTION = "What is the capital of France?"
@@ -44,13 +45,15 @@ def child(model: str, compiled: bool, seeds: int) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    t0 = time.monotonic()
     llm = LLM(model=model, dtype="bfloat16", max_model_len=1024, kv_cache_memory_bytes=256 << 20,
               enforce_eager=not compiled)
+    load_s = round(time.monotonic() - t0, 1)  # compiled: includes torch.compile unless vLLM's cache had it
     tok = llm.get_tokenizer()
     first = llm.generate([TokensPrompt(prompt_token_ids=_prompt(tok, QUESTION))],
                          SamplingParams(temperature=0, max_tokens=12, logprobs=5), use_tqdm=False)[0].outputs[0]
     top5 = _top5([(v.decoded_token, v.logprob) for v in first.logprobs[0].values()])
-    out: dict[str, Any] = {"greedy_answer": first.text, "first_token_top5": top5}
+    out: dict[str, Any] = {"load_s": load_s, "greedy_answer": first.text, "first_token_top5": top5}
     if compiled:
         return out
     for name, (temp, top_p) in SAMPLINGS.items():
