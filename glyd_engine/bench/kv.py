@@ -199,10 +199,10 @@ def bits_equal(a: list[list[float]], b: list[list[float]]) -> bool:
 
 
 def run_kv_bench(model: Path, kv_bytes: int = DEFAULT_KV_BYTES, logprob_tokens: int = 2000, batch: int = 8,
-                 max_tokens: int = 64, max_model_len: int = 4096) -> dict[str, Any]:
-    """Off, then lossless (with the read-back check), at the same fixed KV memory."""
+                 max_tokens: int = 64, max_model_len: int = 4096, compiled: bool = False) -> dict[str, Any]:
+    """Off, then lossless (with the read-back check), at the same fixed KV memory; eager unless `compiled`."""
     work = {"logprobs": [logprob_tokens], "speed": {"batch": batch, "prompt": 64, "max_tokens": max_tokens}}
-    base = {"model": str(model), "kv_bytes": kv_bytes, "work": work,
+    base = {"model": str(model), "kv_bytes": kv_bytes, "work": work, "compiled": compiled,
             "max_model_len": max(max_model_len, logprob_tokens + 16)}
     off = run_engine({**base, "mode": "off"})
     glyd = run_engine({**base, "mode": "lossless", "check": True})
@@ -218,7 +218,7 @@ def run_kv_bench(model: Path, kv_bytes: int = DEFAULT_KV_BYTES, logprob_tokens: 
         "decode_batch": batch,
         "decode_tokens_per_s_off": off["decode_tokens_per_s"],
         "decode_tokens_per_s_lossless": glyd["decode_tokens_per_s"],
-        "vllm_version": off["vllm"], "device": "cpu",
+        "vllm_version": off["vllm"], "device": "cpu", "compilation_mode": glyd.get("compilation_mode"),
     }
 
 
