@@ -24,7 +24,7 @@ HELP = """\
 
 Memory numbers: *weights* is what the engine holds, labelled with its form (Glyd, bf16, or a model
 converted on load) and compared with bf16 for the same model; *KV* is tokens in use / tokens the cache
-holds and KV bytes a token against bf16's; *RAM* is the engine process's resident memory. *KV mode* says
+holds and KV bytes a token; *RAM* is the engine process's resident memory. *KV mode* says
 which cache is in force and why; F5 changes it. Sampling follows the model's own defaults unless this
 chat's settings (F4) say otherwise, with a fresh seed each reply unless one is set.
 """

@@ -78,14 +78,9 @@ def memory_line(ready: Ready, in_use: int, rss: int | None = None) -> Text:
         text.append(f" {run}", style="dim")
     text.append(" · KV ", style="dim")
     text.append(f"{in_use:,}/{ready.kv_capacity_tokens:,} tok", style="bold")
-    if ready.kv_bytes_per_token:
+    if ready.kv_bytes_per_token:  # against bf16: in the KV mode line's reason, where Glyd's pages hold it
         text.append(", ", style="dim")
         text.append(f"{ready.kv_bytes_per_token / 1024:,.1f} KiB/tok", style="bold")
-        text.append(
-            f" (bf16 {ready.kv_bf16_bytes_per_token / 1024:,.1f}: "
-            f"{ratio(ready.kv_bytes_per_token, ready.kv_bf16_bytes_per_token)})",
-            style="dim",
-        )
     rss = rss if rss is not None else ready.rss_bytes
     if rss:
         text.append(" · RAM ", style="dim")  # the engine process's resident memory (Help says so)
@@ -131,5 +126,5 @@ class StatsBar(Static):
         name = self.ready.name if self.ready is not None else ""
         head = Text.assemble((f"{name} · ", "bold cyan")) if name else Text()
         for line in lines:
-            line.truncate(max(10, self.size.width - 2), overflow="ellipsis")
+            line.truncate(max(10, self.size.width), overflow="ellipsis")  # size: the content, padding excluded
         return Text("\n").join([head + first, *lines])
