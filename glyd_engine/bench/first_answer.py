@@ -5,7 +5,8 @@
 model's chat template: the top-5 first-token logprobs from vLLM eager, vLLM compiled (its default mode) and
 an fp32 transformers forward on the same bf16 weights (the reference); then, over ten short factual
 questions, how many answers name the right thing greedily and sampled at temperature 0.2/top-p 0.9 (the
-model card's) and 0.7/top-p 0.95 (glyd-chat's old fixed default), 20 seeds each (vLLM eager).
+model card's) and 0.7/top-p 0.95 (glyd-chat's old fixed default), 20 seeds each, and greedily with a
+repetition penalty of 1.1 (vLLM eager); for the greedy ones also how long replies to three chatty prompts run.
 Each engine runs in its own child process (`--child`), as in glyd_engine.bench.kv.
 """
 
@@ -27,7 +28,10 @@ QA = [(QUESTION, ["Paris"]), ("What is the capital of Germany?", ["Berlin"]),
       ("At what temperature in Celsius does water boil at sea level?", ["100"]),
       ("How many days are there in a week?", ["seven", "7"]), ("What color is the sky on a clear day?", ["blue"]),
       ("What is the chemical symbol for gold?", ["Au"])]
-SAMPLINGS = {"greedy": (0.0, 1.0), "T0.2/p0.9": (0.2, 0.9), "T0.7/p0.95": (0.7, 0.95)}
+# name: (temperature, top-p, repetition penalty)
+SAMPLINGS = {"greedy": (0.0, 1.0, 1.0), "greedy, repetition penalty 1.1": (0.0, 1.0, 1.1),
+             "T0.2/p0.9": (0.2, 0.9, 1.0), "T0.7/p0.95": (0.7, 0.95, 1.0)}
+CHATTY = ["My name is Ada. Remember it.", "Say hello.", "Tell me about yourself."]
 RESULT = "GLYD_RESULT "
 
 
@@ -56,17 +60,23 @@ def child(model: str, compiled: bool, seeds: int) -> dict[str, Any]:
     out: dict[str, Any] = {"load_s": load_s, "greedy_answer": first.text, "first_token_top5": top5}
     if compiled:
         return out
-    for name, (temp, top_p) in SAMPLINGS.items():
+    for name, (temp, top_p, penalty) in SAMPLINGS.items():
         n = 1 if temp == 0 else seeds
         prompts, params, answers = [], [], []
         for q, a in QA:
             for s in range(n):
                 prompts.append(TokensPrompt(prompt_token_ids=_prompt(tok, q)))
-                params.append(SamplingParams(temperature=temp, top_p=top_p, max_tokens=48, seed=s))
+                params.append(SamplingParams(temperature=temp, top_p=top_p, repetition_penalty=penalty,
+                                             max_tokens=48, seed=s))
                 answers.append(a)
         outs = llm.generate(prompts, params, use_tqdm=False)
         right = [any(x.lower() in o.outputs[0].text.lower() for x in a) for o, a in zip(outs, answers, strict=True)]
         out[name] = {"right": sum(right), "asked": len(right), "capital_of_france": sum(right[:n]), "of": n}
+        if temp == 0:  # chatty prompts: does the reply end, or run to the 512-token limit repeating itself?
+            ends = llm.generate([TokensPrompt(prompt_token_ids=_prompt(tok, q)) for q in CHATTY],
+                                SamplingParams(temperature=0, repetition_penalty=penalty, max_tokens=512),
+                                use_tqdm=False)
+            out[name]["chatty_reply_tokens"] = [len(o.outputs[0].token_ids) for o in ends]
     return out
 
 
