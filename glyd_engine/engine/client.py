@@ -65,14 +65,6 @@ def _open_log() -> IO[bytes]:
     return open(path, "ab")
 
 
-def log_tail(lines: int = 8) -> str:
-    try:
-        text = log_path().read_text(errors="replace").splitlines()
-    except OSError:
-        return ""
-    return "\n".join(text[-lines:])
-
-
 SIGNAL_HINTS = {
     signal.SIGKILL: " (killed: the system may have run out of memory, or another program ended it)",
     signal.SIGSEGV: " (a crash inside the engine's native code)",
