@@ -64,14 +64,15 @@ async def test_newline_key_and_enter_sends_whole_text(scripted_app: MakeApp) -> 
         assert app.query(MessageView).first().content == "one\ntwo"
 
 
-async def test_escape_stops_the_reply_and_keeps_the_text(scripted_app: MakeApp) -> None:
+@pytest.mark.parametrize("key", ["escape", "ctrl+c"])
+async def test_escape_stops_the_reply_and_keeps_the_text(scripted_app: MakeApp, key: str) -> None:
     app = scripted_app(Script(hold=True))
     async with app.run_test(size=SIZE) as pilot:
         await _ready(pilot, app)
         await type_text(pilot, "tell me a story")
         await pilot.press("enter")
         await wait_for(pilot, lambda: app.chat_screen.busy)
-        await pilot.press("escape")
+        await pilot.press(key)
         await wait_for(pilot, lambda: not app.chat_screen.busy)
         reply = app.store.messages(app.chat_screen.chat.id)[-1]  # type: ignore[union-attr]
         assert reply.status == "stopped" and "Paris" in reply.content
@@ -318,16 +319,10 @@ async def test_kv_mode_is_chosen_in_the_app_saved_and_the_engine_restarts(script
     assert error is None and settings.kv == "lossless" and settings.max_model_len == 2048
 
 
-async def test_ctrl_c_stops_a_reply_and_copies_otherwise(scripted_app: MakeApp) -> None:
-    app = scripted_app(Script(hold=True))
+async def test_ctrl_c_copies_when_no_reply_streams(scripted_app: MakeApp) -> None:
+    app = scripted_app()
     async with app.run_test(size=SIZE) as pilot:
         await _ready(pilot, app)
-        await type_text(pilot, "tell me a story")
-        await pilot.press("enter")
-        await wait_for(pilot, lambda: app.chat_screen.busy)
-        await pilot.press("ctrl+c")
-        await wait_for(pilot, lambda: not app.chat_screen.busy)
-        assert app.store.messages(app.chat_screen.chat.id)[-1].status == "stopped"  # type: ignore[union-attr]
         await focus_input(pilot, app)
         await type_text(pilot, "copy me")
         await pilot.press("shift+home", "ctrl+c")  # no reply streaming: the selection is copied
