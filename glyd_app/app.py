@@ -56,6 +56,7 @@ class GlydApp(App[None]):
         Binding("f2", "models", "Model", id="glyd.models"),
         Binding("f3,ctrl+o", "chats", "Chats", id="glyd.chats"),
         Binding("f4", "chat_settings", "Settings", id="glyd.chat_settings"),
+        Binding("f5", "kv_mode", "KV mode", id="glyd.kv_mode"),
         Binding("ctrl+n", "new_chat", "New chat", id="glyd.new_chat"),
         Binding("ctrl+s", "export", "Export", id="glyd.export", show=False),
         Binding("ctrl+r", "restart_engine", "Restart engine", id="glyd.restart", show=False),
@@ -146,6 +147,7 @@ class GlydApp(App[None]):
         self.last_error = None
         bar = self.stats_bar
         bar.ready = None
+        bar.stats = None  # the previous engine's last reply says nothing about this one
         bar.state = f"starting {_short(spec)}…"
         self.chat_screen.show_banner("")
         if show_progress:
@@ -236,9 +238,12 @@ class GlydApp(App[None]):
         self.last_error = error
         self._close_start_screen()
         self.stats_bar.ready = None
-        self.stats_bar.state = f"failed ({error.kind}): {error.message}"
-        self.chat_screen.show_banner(f"Engine: {error.message}  ·  Ctrl+R restarts, F2 picks another model")
-        if error.kind == "cancelled":
+        self.stats_bar.stats = None
+        cancelled = error.kind == "cancelled"
+        self.stats_bar.state = "start cancelled" if cancelled else f"failed ({error.kind}): {error.message}"
+        what = "start cancelled" if cancelled else error.message
+        self.chat_screen.show_banner(f"Engine: {what}  ·  Ctrl+R restarts, F2 picks another model")
+        if cancelled:
             self.notify("Start cancelled. Ctrl+R starts again; F2 picks another model.")
             return
 
@@ -267,7 +272,11 @@ class GlydApp(App[None]):
             self.ready_info = ev
             self._close_start_screen()
             self.stats_bar.ready = ev
+            self.stats_bar.stats = None
             self.notify(f"{ev.name} is ready ({ev.engine}, loaded in {ev.load_seconds:.0f} s)", timeout=4)
+            if ev.weights_dtype not in ("", "glyd", ev.dtype):
+                self.notify(f"{ev.name}'s weights are {ev.weights_dtype}; they run as {ev.dtype} (rounded on "
+                            "load, so not bit-exact to the file)", severity="warning", timeout=10)
             await chat.maybe_reply()
         elif isinstance(ev, Delta):
             await chat.on_delta(ev)
@@ -331,7 +340,7 @@ class GlydApp(App[None]):
                 "On a focused message: copy it / its last code block",
                 "glyd.copy_message / glyd.copy_code",
             ),
-            ("ctrl+p", "Command palette", ""),
+            ("ctrl+p", "Command palette (Textual's own key)", ""),
         ]
         places = {
             "keymap": str(keymap_path()),
@@ -366,6 +375,30 @@ class GlydApp(App[None]):
 
     def action_restart_engine(self) -> None:
         self.start_engine(self.model_spec)
+
+    def action_kv_mode(self) -> None:
+        from glyd_app.screens.kv_mode import KVModeScreen
+
+        ready = self.ready_info
+        in_force = ""
+        if ready is not None:
+            mode = {"vllm": "vLLM's own cache"}.get(ready.kv_mode, f"Glyd {ready.kv_mode}")
+            in_force = f"Now: {mode}" + (f" ({ready.kv_reason})" if ready.kv_reason else "")
+
+        def chosen(mode: str | None) -> None:
+            if mode is None:
+                return
+            from glyd_app.config import save_engine_setting
+
+            try:
+                save_engine_setting("kv", mode)
+            except OSError as exc:
+                self.notify(f"KV mode not saved to config.toml ({exc}); used for this run only", severity="error")
+            self.settings.kv = mode
+            self.notify(f"KV mode {mode}: restarting the engine")
+            self.start_engine(self.model_spec)
+
+        self.push_screen(KVModeScreen(self.settings.kv, in_force), chosen)
 
     def action_chats(self) -> None:
         from glyd_app.screens.chats import ChatList
@@ -407,6 +440,7 @@ class GlydApp(App[None]):
                 "temperature": chat.temperature,
                 "top_p": chat.top_p,
                 "max_tokens": chat.max_tokens,
+                "seed": chat.seed,
             }
         new = self.store.new_chat(model=self.model_spec, **settings)
         await self.open_chat(new.id)
@@ -426,11 +460,13 @@ class GlydApp(App[None]):
                     temperature=settings.temperature,
                     top_p=settings.top_p,
                     max_tokens=settings.max_tokens,
+                    seed=settings.seed,
                 )
                 self.chat_screen.retitle()
                 self.notify("Chat settings saved")
 
-        self.push_screen(ChatSettingsScreen(self.store.chat(chat.id)), saved)
+        defaults = self.ready_info.sampling_defaults if self.ready_info is not None else None
+        self.push_screen(ChatSettingsScreen(self.store.chat(chat.id), defaults), saved)
 
     def action_export(self) -> None:
         if self.chat_screen.chat is not None:
@@ -474,10 +510,16 @@ class GlydApp(App[None]):
                 self.action_export,
             ),
             ("Rename chat", "Give this chat a title", self.action_rename_chat),
-            ("Chat settings", "System prompt, temperature, top-p, max tokens", self.action_chat_settings),
+            ("Chat settings", "System prompt, temperature, top-p, max tokens, seed", self.action_chat_settings),
             ("Copy last reply", "Copy the last assistant message", self.copy_last_reply),
+            ("Regenerate the last reply", "Ask again; the last reply is replaced (Ctrl+G)",
+             self.chat_screen.action_regenerate),
+            ("Edit the last message", "Take it back into the box; it and its reply leave the chat (Ctrl+T)",
+             self.chat_screen.action_edit_last),
             ("Stop reply", "Stop the reply being generated", self.chat_screen.action_stop),
             ("Restart engine", "Shut the engine down and start it again", self.action_restart_engine),
+            ("KV cache mode…", "auto, lossless, exact or off: what each costs here; restarts the engine",
+             self.action_kv_mode),
             ("Show start progress", "Show the engine start screen again", self.show_start_screen),
             ("Help", "Keys, files and what the numbers mean", self.action_help),
         ]

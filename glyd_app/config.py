@@ -53,3 +53,32 @@ def load_engine_settings(**overrides: Any) -> tuple[EngineSettings, str | None]:
         data["kv_cache_bytes"] = int(data.pop("kv_cache_mib")) << 20
     data.update({k: v for k, v in overrides.items() if v is not None})
     return EngineSettings.from_dict(data), error
+
+
+def save_engine_setting(key: str, value: str) -> None:
+    """Set `key = "value"` in config.toml's [engine] section, keeping every other line (and comment) as the
+    user wrote it; written atomically."""
+    import re
+
+    from glyd_engine.atomic import atomic_write_bytes
+
+    path = config_path()
+    lines = path.read_text(encoding="utf-8").splitlines() if path.is_file() else []
+    entry = f'{key} = "{value}"'
+    section, start = None, None
+    for i, line in enumerate(lines):
+        header = re.match(r"\s*\[([^\]]+)\]\s*(#.*)?$", line)
+        if header:
+            section = header.group(1).strip()
+            if section == "engine":
+                start = i
+            continue
+        if section == "engine" and re.match(rf"\s*{re.escape(key)}\s*=", line):
+            lines[i] = entry
+            break
+    else:
+        if start is None:
+            lines += (["", "[engine]"] if lines else ["[engine]"]) + [entry]
+        else:
+            lines.insert(start + 1, entry)
+    atomic_write_bytes(path, ("\n".join(lines) + "\n").encode("utf-8"))

@@ -50,6 +50,29 @@ MIGRATIONS: list[str] = [
     CREATE TABLE model_dirs (path TEXT PRIMARY KEY, added REAL NOT NULL);
     CREATE TABLE state (key TEXT PRIMARY KEY, value TEXT NOT NULL);
     """,
+    # 2 -> 3: temperature and top-p may be NULL (the model's own default, from its generation_config.json),
+    # a seed per chat (NULL: a fresh one every reply). Chats still at the old fixed defaults (0.7, 0.95),
+    # which no user chose, take the model's. SQLite cannot relax NOT NULL in place: the table is rebuilt
+    # (foreign keys are off meanwhile, see migrate(), so the messages stay).
+    """
+    CREATE TABLE chats_new (
+        id INTEGER PRIMARY KEY,
+        title TEXT NOT NULL,
+        model TEXT NOT NULL DEFAULT '',
+        system_prompt TEXT NOT NULL DEFAULT '',
+        temperature REAL,
+        top_p REAL,
+        max_tokens INTEGER NOT NULL DEFAULT 512,
+        created REAL NOT NULL,
+        updated REAL NOT NULL,
+        seed INTEGER
+    );
+    INSERT INTO chats_new (id, title, model, system_prompt, temperature, top_p, max_tokens, created, updated)
+        SELECT id, title, model, system_prompt, NULLIF(temperature, 0.7), NULLIF(top_p, 0.95), max_tokens,
+               created, updated FROM chats;
+    DROP TABLE chats;
+    ALTER TABLE chats_new RENAME TO chats;
+    """,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -64,11 +87,12 @@ class Chat:
     title: str
     model: str = ""
     system_prompt: str = ""
-    temperature: float = 0.7
-    top_p: float = 0.95
+    temperature: float | None = None  # None: the model's own default
+    top_p: float | None = None
     max_tokens: int = 512
     created: float = 0.0
     updated: float = 0.0
+    seed: int | None = None  # None: a fresh seed for every reply
 
 
 @dataclass
@@ -105,9 +129,17 @@ class Store:
                 f"{self.path} was written by a newer glyd (schema {version} > {SCHEMA_VERSION}); "
                 "upgrade glyd or move the file away"
             )
-        for target in range(version, SCHEMA_VERSION):
-            with self.db:
-                self.db.executescript("BEGIN;" + MIGRATIONS[target] + f"; PRAGMA user_version = {target + 1};")
+        if version == SCHEMA_VERSION:
+            return
+        # A migration may rebuild a table that others reference; with foreign keys on, dropping it would
+        # cascade. The pragma has no effect inside a transaction, so it is switched around them.
+        self.db.execute("PRAGMA foreign_keys = OFF")
+        try:
+            for target in range(version, SCHEMA_VERSION):
+                with self.db:
+                    self.db.executescript("BEGIN;" + MIGRATIONS[target] + f"; PRAGMA user_version = {target + 1};")
+        finally:
+            self.db.execute("PRAGMA foreign_keys = ON")
 
     @property
     def version(self) -> int:
@@ -142,7 +174,7 @@ class Store:
         return [Chat(**dict(r)) for r in rows]
 
     def update_chat(self, chat_id: int, **fields: Any) -> None:
-        allowed = {"title", "model", "system_prompt", "temperature", "top_p", "max_tokens"}
+        allowed = {"title", "model", "system_prompt", "temperature", "top_p", "max_tokens", "seed"}
         bad = set(fields) - allowed
         if bad:
             raise StoreError(f"unknown chat fields {sorted(bad)}")
@@ -247,8 +279,8 @@ class Store:
         lines = [f"# {chat.title}", ""]
         meta = [
             f"model: {chat.model or 'demo'}",
-            f"temperature {chat.temperature:g}",
-            f"top-p {chat.top_p:g}",
+            "temperature " + ("model default" if chat.temperature is None else f"{chat.temperature:g}"),
+            "top-p " + ("model default" if chat.top_p is None else f"{chat.top_p:g}"),
             f"max tokens {chat.max_tokens}",
         ]
         lines += [f"*{' · '.join(meta)}*", ""]

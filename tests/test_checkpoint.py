@@ -243,6 +243,30 @@ def test_existing_destination_is_not_overwritten(tiny, packed):
         pack_model(tiny, packed)
 
 
+def test_force_replaces_only_a_glyd_checkpoint(tiny, packed, tmp_path, capsys):
+    """`glyd pack SRC DIR --force` on a user's folder is refused and every file in it stays; a file as DST
+    is a clear error; a Glyd checkpoint is replaced."""
+    from glyd_engine.cli import main
+
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine")
+    (folder / "config.json").write_text("{}")
+    assert main(["pack", str(tiny), str(folder), "--force"]) == 2
+    assert "not a Glyd checkpoint" in capsys.readouterr().err
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "notes.txt"]
+    assert (folder / "notes.txt").read_text() == "mine"
+    file = tmp_path / "a-file"
+    file.write_text("x")
+    assert main(["pack", str(tiny), str(file)]) == 2
+    assert "is a file" in capsys.readouterr().err and file.read_text() == "x"
+    again = tmp_path / "again"
+    shutil.copytree(packed, again)
+    (again / "stale.txt").write_text("from the old checkpoint")
+    assert main(["pack", str(tiny), str(again), "--force"]) == 0
+    assert not (again / "stale.txt").exists() and verify_model(again, tiny).compared
+
+
 def test_stale_temporaries_of_a_dead_writer_are_removed(tmp_path):
     import time
 

@@ -92,6 +92,7 @@ def test_protocol_round_trips_every_message() -> None:
 
 
 def test_errors_are_classified_for_the_user() -> None:
+    assert user_message(Cancelled("cancelled")) == "start cancelled"  # not "Cancelled: cancelled"
     assert classify(OfflineError("x")) == "offline"
     assert classify(UnsupportedModelError("x")) == "unsupported"
     assert classify(Cancelled()) == "cancelled"
@@ -148,6 +149,17 @@ def test_child_dying_mid_reply_is_reported_and_restartable(echo: tuple[EngineCli
     assert rec.until(p.Finished).reason == "stop"
 
 
+def test_a_killed_engine_is_named_as_stopped_by_a_signal(echo: tuple[EngineClient, Recorder]) -> None:
+    """A SIGKILL (the OOM killer, kill -9) is reported as such, not as the log's unrelated last warning."""
+    client, rec = echo
+    client.start(client.model_dir)  # type: ignore[attr-defined]
+    rec.until(p.Ready)
+    client.generate([{"role": "user", "content": "KILL now"}])
+    err = rec.until(p.Error)
+    assert err.fatal and "stopped by SIGKILL" in err.message and "unrelated warning" not in err.message
+    assert rec.until(p.Stopped).exit_code == -9
+
+
 @pytest.mark.parametrize("kind", ["oom", "unsupported", "offline", "refused"])
 def test_failed_start_is_an_event_with_its_kind(echo: tuple[EngineClient, Recorder], kind: str) -> None:
     client, rec = echo
@@ -163,6 +175,24 @@ def test_missing_model_directory_is_reported(echo: tuple[EngineClient, Recorder]
     client.start(str(tmp_path / "nowhere" / "model"))
     err = rec.until(p.Error)
     assert err.fatal and "does not exist" in err.message
+    rec.until(p.Stopped)
+
+
+def test_a_damaged_weight_file_is_named(echo: tuple[EngineClient, Recorder], tmp_path: Path) -> None:
+    """A safetensors header whose offsets run past the file (a truncated or damaged download) is named as
+    damaged before any loader sees it (vLLM's loader said `OverflowError: cannot fit 'int' ...`)."""
+    import json
+    import struct
+
+    client, rec = echo
+    model = tmp_path / "damaged"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    header = json.dumps({"w": {"dtype": "BF16", "shape": [4, 4], "data_offsets": [0, 10**19]}}).encode()
+    (model / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + bytes(32))
+    client.start(str(model))
+    err = rec.until(p.Error)
+    assert err.fatal and "model.safetensors is damaged" in err.message and "Overflow" not in err.message
     rec.until(p.Stopped)
 
 
@@ -241,3 +271,53 @@ def test_engine_python_choice(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     assert install.engine_python() == "/opt/py/bin/python"
     monkeypatch.setenv("GLYD_ENGINE_SOURCE", "/src/glyd")
     assert install.install_spec("cpu") == "/src/glyd[cpu]"
+
+
+def test_replies_sample_with_the_models_defaults_and_a_fresh_seed() -> None:
+    """The model's generation_config (as vLLM reads it) is the default, the user's settings win, and every
+    reply gets its own seed unless the user fixed one (vLLM's engine seed made every home's reply the same)."""
+    from glyd_engine.engine.vllm_backend import sampling_kwargs
+
+    defaults = {"temperature": 0.2, "top_p": 0.9, "repetition_penalty": 1.1, "max_tokens": 50}
+    kw = sampling_kwargs(p.GenerationParams(max_tokens=512), defaults, room=100)
+    assert (kw["temperature"], kw["top_p"], kw["repetition_penalty"], kw["max_tokens"]) == (0.2, 0.9, 1.1, 100)
+    seeds = {sampling_kwargs(p.GenerationParams(), defaults, 100)["seed"] for _ in range(8)}
+    assert len(seeds) == 8
+    mine = sampling_kwargs(p.GenerationParams(temperature=0.0, top_p=0.5, seed=7), defaults, 100)
+    assert (mine["temperature"], mine["top_p"], mine["seed"]) == (0.0, 0.5, 7)
+    assert "temperature" not in sampling_kwargs(p.GenerationParams(), {}, 100)  # vLLM's neutral default
+
+
+def test_one_smoothed_eta_per_phase() -> None:
+    """No estimate from start-up noise; a steady rate gives a true ETA; a slowdown moves it gradually."""
+    from glyd_engine.progress import PhaseTimer
+
+    now = [0.0]
+    events: list = []
+    timer = PhaseTimer("kv-tables", "calibrating", 100, events.append, clock=lambda: now[0])
+    for i in range(1, 51):  # 1 unit a second
+        now[0] = float(i)
+        timer.update(i)
+        if i == 2:
+            assert events[-1].eta_s is None  # before 3 s: no estimate from start-up noise
+    assert abs(events[-1].eta_s - 50) < 1  # 50 units left at 1 a second
+    etas = []
+    for i in range(51, 61):  # the machine gets busy: 1 unit every 2 s
+        now[0] += 2.0
+        timer.update(i)
+        etas.append(events[-1].eta_s)
+    assert all(b >= a - 2 for a, b in zip(etas, etas[1:], strict=False))  # no jumping back and forth
+    assert 45 < etas[0] < 60 and 60 < etas[-1] < 80  # heading for 80 s (40 units at 2 s), step by step
+
+
+def test_weights_are_reported_as_the_engine_holds_them(tmp_path: Path) -> None:
+    """An fp32 checkpoint run as bf16 holds half its file: the report says both dtypes and the held size."""
+    import torch
+    from safetensors.torch import save_file
+
+    from glyd_engine.engine.report import weights_report
+
+    save_file({"w": torch.zeros(256, 256), "n": torch.zeros(256, dtype=torch.int64)}, str(tmp_path / "m.safetensors"))
+    r = weights_report(tmp_path, run_bytes=2)
+    assert r.dtype == "float32" and r.file_bytes == 256 * 256 * 4 + 256 * 8
+    assert r.bytes == r.bf16_bytes == 256 * 256 * 2 + 256 * 8  # held as bf16 (not the file's 4 bytes a value)

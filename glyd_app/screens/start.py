@@ -18,7 +18,7 @@ from glyd_engine.engine.protocol import Progress
 
 JOB_TITLES = {
     "engine-install": "Installing the engine",
-    "demo-model": "Preparing the demo model",
+    "demo-model": "Preparing the demo model (first start only)",
     "download": "Downloading the model",
     "kv-tables": "Building KV tables (first start of this model only)",
     "engine": "Loading the model into vLLM",
@@ -71,7 +71,8 @@ class StartScreen(ModalScreen[str]):
             yield Label(f"Starting {self.model_name}", id="start-title")
             yield Label("Starting the engine process…", id="start-step")
             yield Label("", id="start-detail")
-            yield ProgressBar(total=None, show_eta=True, id="start-bar", clock=self.clock)
+            # one ETA, the engine's (smoothed, in the detail line): the bar's own would disagree with it
+            yield ProgressBar(total=None, show_eta=False, id="start-bar", clock=self.clock)
             yield Label("The chat stays usable: Esc hides this, Ctrl+X cancels the start.", id="start-hint")
             with Horizontal():
                 yield Button("Hide", id="hide", variant="default")

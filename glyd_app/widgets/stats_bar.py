@@ -33,8 +33,16 @@ def rate(value: float | None) -> str:
 
 def stats_line(stats: Stats | None, busy: bool) -> Text:
     text = Text()
+    if stats is not None and busy and stats.ttft_s is None and stats.prompt_tokens:
+        # a long prompt takes many engine steps before the first token: say how far it is
+        text.append("reading the prompt ", style="italic")
+        text.append(f"{stats.prompt_done:,}/{stats.prompt_tokens:,} tok", style="bold")
+        text.append(" · Esc stops", style="dim")
+        return text
     if stats is None:
         text.append("prompt – tok/s · gen – tok/s · TTFT –", style="dim")
+        if busy:
+            text.append(" · reading the prompt…", style="italic")
         return text
     text.append("prompt ", style="dim")
     text.append(f"{rate(stats.prompt_tps)} tok/s", style="bold")
@@ -50,27 +58,39 @@ def stats_line(stats: Stats | None, busy: bool) -> Text:
     return text
 
 
-def memory_line(ready: Ready, in_use: int) -> Text:
+DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
+
+
+def memory_line(ready: Ready, in_use: int, rss: int | None = None) -> Text:
+    """Weights as the engine holds them, labelled with what they are; KV tokens; the engine's RAM."""
     text = Text()
     text.append("weights ", style="dim")
     scale = max(ready.weights_bytes, ready.weights_bf16_bytes)
     text.append(gib(ready.weights_bytes, scale), style="bold")
-    if ready.weights_bf16_bytes:
+    run = DTYPES.get(ready.dtype, ready.dtype) or "bf16"
+    if ready.weights_dtype == "glyd":
         saved = ratio(ready.weights_bytes, ready.weights_bf16_bytes)
-        text.append(
-            f" (bf16 {gib(ready.weights_bf16_bytes, scale)}: {saved})",
-            style="dim",
-        )
+        text.append(f" Glyd (bf16 {gib(ready.weights_bf16_bytes, scale).split()[0]}: {saved})", style="dim")
+    elif ready.weights_dtype and ready.weights_dtype != ready.dtype:
+        text.append(f" {run} (from {DTYPES.get(ready.weights_dtype, ready.weights_dtype)} weights, rounded on load)",
+                    style="yellow")
+    else:
+        text.append(f" {run}", style="dim")
     text.append(" · KV ", style="dim")
     text.append(f"{in_use:,}/{ready.kv_capacity_tokens:,} tok", style="bold")
-    if ready.kv_bytes_per_token:
-        text.append(f" · {ready.kv_bytes_per_token / 1024:,.1f} KiB/tok", style="bold")
-        text.append(
-            f" (bf16 {ready.kv_bf16_bytes_per_token / 1024:,.1f}: "
-            f"{ratio(ready.kv_bytes_per_token, ready.kv_bf16_bytes_per_token)})",
-            style="dim",
-        )
+    if ready.kv_bytes_per_token:  # against bf16: in the KV mode line's reason, where Glyd's pages hold it
+        text.append(", ", style="dim")
+        text.append(f"{ready.kv_bytes_per_token / 1024:,.1f} KiB/tok", style="bold")
+    rss = rss if rss is not None else ready.rss_bytes
+    if rss:
+        text.append(" · RAM ", style="dim")  # the engine process's resident memory (Help says so)
+        text.append(gib(rss), style="bold")
     return text
+
+
+def short_reason(reason: str) -> str:
+    """The reason's first clause: the bar has one line for it (the KV mode screen, F5, has the whole)."""
+    return reason.split(" (", 1)[0].split("; ", 1)[0]
 
 
 def mode_line(ready: Ready) -> Text:
@@ -78,7 +98,7 @@ def mode_line(ready: Ready) -> Text:
     text = Text("KV mode ", style="dim")
     text.append(mode, style="bold green" if ready.kv_mode in ("lossless", "exact") else "bold")
     if ready.kv_reason:
-        text.append(f": {ready.kv_reason}", style="dim")
+        text.append(f": {short_reason(ready.kv_reason)}", style="dim")
     text.append(f" · {ready.engine}", style="dim")
     return text
 
@@ -101,9 +121,10 @@ class StatsBar(Static):
             lines = [Text.assemble(("engine: ", "dim"), (self.state, "bold")), Text("")]
         else:
             in_use = self.stats.kv_tokens_in_use if self.stats is not None else 0
-            lines = [memory_line(self.ready, in_use), mode_line(self.ready)]
+            rss = self.stats.rss_bytes if self.stats is not None else None
+            lines = [memory_line(self.ready, in_use, rss), mode_line(self.ready)]
         name = self.ready.name if self.ready is not None else ""
         head = Text.assemble((f"{name} · ", "bold cyan")) if name else Text()
         for line in lines:
-            line.truncate(max(10, self.size.width - 2), overflow="ellipsis")
+            line.truncate(max(10, self.size.width), overflow="ellipsis")  # size: the content, padding excluded
         return Text("\n").join([head + first, *lines])

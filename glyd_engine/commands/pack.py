@@ -12,7 +12,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("pack", help="pack a bf16 safetensors model directory into a Glyd checkpoint")
     p.add_argument("src", help="model directory, 'demo', or a Hugging Face id")
     p.add_argument("dst", type=Path, help="directory to create")
-    p.add_argument("--force", action="store_true", help="replace DST if it exists")
+    p.add_argument("--force", action="store_true", help="replace DST if it is a Glyd checkpoint")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=run_pack)
     v = sub.add_parser("verify", help="decode every tensor of a Glyd checkpoint and check it")

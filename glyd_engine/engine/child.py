@@ -92,6 +92,8 @@ def classify(exc: BaseException) -> str:
 
 def user_message(exc: BaseException) -> str:
     """The first line a user sees: the most specific message in the exception chain."""
+    if isinstance(exc, Cancelled):
+        return "start cancelled"
     seen: list[str] = []
     cur: BaseException | None = exc
     while cur is not None and len(seen) < 5:
@@ -276,7 +278,18 @@ def _protocol_stream() -> IO[str]:
     return os.fdopen(fd, "w", buffering=1, encoding="utf-8")
 
 
+def use_every_core() -> None:
+    """On vLLM's CPU build the model should run on every core this process may use. vLLM drops torch to one
+    thread "for serving" unless OMP_NUM_THREADS is set; here the engine is in-process, so that would be the
+    model's threads. Set before torch loads; a user's own OMP_NUM_THREADS stands."""
+    from glyd_engine.machine import cpu_build, usable_cores
+
+    if cpu_build():
+        os.environ.setdefault("OMP_NUM_THREADS", str(usable_cores()))
+
+
 def main() -> None:
+    use_every_core()
     out = _protocol_stream()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     Child(Emitter(out), sys.stdin).run()

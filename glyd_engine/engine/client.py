@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import threading
 import uuid
@@ -64,12 +65,24 @@ def _open_log() -> IO[bytes]:
     return open(path, "ab")
 
 
-def log_tail(lines: int = 8) -> str:
-    try:
-        text = log_path().read_text(errors="replace").splitlines()
-    except OSError:
-        return ""
-    return "\n".join(text[-lines:])
+SIGNAL_HINTS = {
+    signal.SIGKILL: " (killed: the system may have run out of memory, or another program ended it)",
+    signal.SIGSEGV: " (a crash inside the engine's native code)",
+    signal.SIGTERM: " (asked to stop by another program)",
+}
+
+
+def exit_message(code: int) -> str:
+    """Why the child is gone, from its exit status: a signal is named (the log's last line is usually an
+    unrelated warning, so it is not quoted as the reason)."""
+    if code < 0:
+        try:
+            sig = signal.Signals(-code)
+            name, hint = sig.name, SIGNAL_HINTS.get(sig, "")
+        except ValueError:
+            name, hint = f"signal {-code}", ""
+        return f"The engine process was stopped by {name}{hint}. Ctrl+R starts it again; its log is engine.log."
+    return f"The engine process exited unexpectedly (exit code {code}); its log (engine.log) says why."
 
 
 class EngineClient:
@@ -187,12 +200,10 @@ class EngineClient:
             self._deliver(event)
         code = proc.wait()
         if not failed and not self._stopping:
-            tail = log_tail(3).strip().splitlines()
-            hint = f" Last log line: {tail[-1][:200]}" if tail else ""
             self._deliver(
                 Error(
-                    f"The engine process stopped unexpectedly (exit code {code}).{hint}",
-                    "crash",
+                    exit_message(code),
+                    "oom" if code == -signal.SIGKILL else "crash",
                     fatal=True,
                     id=self._reply,
                     log_path=str(log_path()),

@@ -9,7 +9,9 @@ mid-reply; "SLOW" streams slowly (to test stopping).
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +27,8 @@ from glyd_engine.engine.protocol import (
     Stats,
 )
 from glyd_engine.errors import GlydError, OfflineError, UnsupportedModelError
+
+log = logging.getLogger("glyd.engine")
 
 
 class EchoBackend:
@@ -77,6 +81,9 @@ class EchoBackend:
         if "CRASH" in text:
             self.emit(Delta(req.id, "about to ", 2))
             os._exit(3)
+        if "KILL" in text:  # as the OOM killer or `kill -9` would
+            log.warning("an unrelated warning, the last line of the log")
+            os.kill(os.getpid(), signal.SIGKILL)
         self.delay = 0.2 if "SLOW" in text else 0.01
         self.words = [f"{w} " for w in f"You said: {text}".split()][: req.params.max_tokens]
         if "SLOW" in text:

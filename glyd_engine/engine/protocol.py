@@ -27,6 +27,9 @@ class EngineSettings:
     gpu_memory_utilization: float = 0.85
     enforce_eager: bool | None = None  # None: eager on CPU (starts in seconds, not minutes)
     dtype: str = "bfloat16"
+    # Prompt tokens a step may process (vLLM's chunked prefill). None: 512 on the CPU, where a step of
+    # a long prompt would otherwise take many seconds (Esc waits for the step), vLLM's default on a GPU.
+    max_num_batched_tokens: int | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> EngineSettings:
@@ -36,10 +39,14 @@ class EngineSettings:
 
 @dataclass
 class GenerationParams:
-    temperature: float = 0.7
-    top_p: float = 0.95
+    """One reply's sampling. None means the model's own default (its generation_config.json, as vLLM reads
+    it; vLLM's neutral default where the model has none); no seed means a fresh one for every reply."""
+
+    temperature: float | None = None
+    top_p: float | None = None
     max_tokens: int = 512
     system_prompt: str = ""
+    seed: int | None = None
 
 
 # ---------------------------------------------------------------- requests (front end -> child)
@@ -132,6 +139,9 @@ class Ready(Event):
     kv_reason: str = ""
     load_seconds: float = 0.0
     rss_bytes: int | None = None
+    dtype: str = ""  # what the weights run as ("bfloat16")
+    weights_dtype: str = ""  # what the checkpoint holds ("bfloat16", "float32", "glyd")
+    sampling_defaults: dict[str, float] = field(default_factory=dict)  # the model's generation_config
 
 
 @dataclass
@@ -157,6 +167,8 @@ class Stats(Event):
     kv_capacity_tokens: int = 0
     trimmed_messages: int = 0  # older turns left out so the prompt fits the context
     final: bool = False
+    prompt_done: int = 0  # prompt tokens processed so far (a long prompt takes many steps)
+    rss_bytes: int | None = None  # the engine process's resident memory
 
 
 @dataclass

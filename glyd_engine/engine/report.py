@@ -17,30 +17,17 @@ from typing import Any
 
 log = logging.getLogger("glyd.engine")
 
-_DTYPE_BYTES = {
-    "BF16": 2,
-    "F16": 2,
-    "F32": 4,
-    "F64": 8,
-    "I8": 1,
-    "U8": 1,
-    "I16": 2,
-    "U16": 2,
-    "I32": 4,
-    "U32": 4,
-    "I64": 8,
-    "U64": 8,
-    "BOOL": 1,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-}
 _FLOATS = {"BF16", "F16", "F32", "F64"}
 
 
 @dataclass(frozen=True)
 class WeightsReport:
-    bytes: int  # what the checkpoint's tensors take (compressed for a Glyd-packed model)
+    bytes: int  # what the engine holds: float tensors at the run dtype, packed ones in their resident code
     bf16_bytes: int  # what the same weights take in bf16
+    dtype: str = "bfloat16"  # what the checkpoint holds: its float tensors' dtype (most bytes), or "glyd"
+    file_bytes: int = 0  # what the checkpoint's tensors take on disk
+
+_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64"}
 
 
 def _safetensors_header(path: Path) -> dict[str, Any]:
@@ -49,29 +36,39 @@ def _safetensors_header(path: Path) -> dict[str, Any]:
         return json.loads(f.read(size))
 
 
-def weights_report(model_dir: Path, resident_bytes: int | None = None) -> WeightsReport:
+def weights_report(model_dir: Path, resident_bytes: int | None = None, run_bytes: int = 2) -> WeightsReport:
     """Sum tensor bytes from the safetensors headers (no tensor is read).
 
     A Glyd checkpoint's packed tensors count, against bf16, at 2 bytes for each value of their
     sign/mantissa part; what they hold is `resident_bytes` (the engine's resident code, measured in the
-    worker) when given, else their bytes on disk. Plain tensors count at their own size.
+    worker) when given, else their bytes on disk. Plain float tensors are held at `run_bytes` a value (the
+    engine's dtype: an fp32 checkpoint run as bf16 holds half its file), others at their own size.
     """
-    plain = packed = bf16 = 0
+    plain = packed = bf16 = on_disk = 0
+    by_dtype: dict[str, int] = {}
     for file in sorted(Path(model_dir).glob("*.safetensors")):
         for name, info in _safetensors_header(file).items():
             if name == "__metadata__":
                 continue
             begin, end = info["data_offsets"]
+            on_disk += end - begin
             numel = 1
             for d in info["shape"]:
                 numel *= d
             if "_glyd_" in name:
                 packed += end - begin
                 bf16 += 2 * numel if name.endswith("_glyd_sm") else 0
+                by_dtype["glyd"] = by_dtype.get("glyd", 0) + end - begin
+            elif info["dtype"] in _FLOATS:
+                plain += numel * run_bytes
+                bf16 += numel * 2
+                by_dtype[info["dtype"]] = by_dtype.get(info["dtype"], 0) + end - begin
             else:
                 plain += end - begin
-                bf16 += numel * 2 if info["dtype"] in _FLOATS else end - begin
-    return WeightsReport(plain + (packed if resident_bytes is None else resident_bytes), bf16)
+                bf16 += end - begin
+    main = max(by_dtype, key=by_dtype.__getitem__) if by_dtype else "BF16"
+    held = plain + (packed if resident_bytes is None else resident_bytes)
+    return WeightsReport(held, bf16, _NAMES.get(main, main), on_disk)
 
 
 @dataclass(frozen=True)

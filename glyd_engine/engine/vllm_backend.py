@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from glyd_engine.engine.protocol import (
     Event,
     Finished,
     Generate,
+    GenerationParams,
     Progress,
     Ready,
     Stats,
@@ -34,6 +36,7 @@ log = logging.getLogger("glyd.engine")
 
 JOB = "engine"
 STATS_INTERVAL_S = 0.25
+CPU_PREFILL_CHUNK = 512  # prompt tokens a step on the CPU: a step stays ~1 s, so Esc stops a long prompt soon
 
 # vLLM log lines -> the phase a user reads; matched as substrings, in order of appearance.
 _PHASES = (
@@ -141,6 +144,7 @@ class _Reply:
 
     def __init__(self, rid: str, prompt_tokens: int, trimmed: int) -> None:
         self.rid, self.prompt_tokens, self.trimmed = rid, prompt_tokens, trimmed
+        self.internal_id = rid  # vLLM's own id for the request (it appends a suffix)
         self.t_submit = time.monotonic()
         self.t_first: float | None = None
         self.t_last: float | None = None
@@ -155,6 +159,7 @@ class VllmBackend:
         self.tokenizer: Any = None
         self.reply: _Reply | None = None
         self.capacity = 0
+        self.sampling_defaults: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ load
 
@@ -178,7 +183,7 @@ class VllmBackend:
                     max_model_len=s.max_model_len,
                     enforce_eager=eager,
                     disable_log_stats=True,
-                    seed=0,
+                    max_num_batched_tokens=s.max_num_batched_tokens or (CPU_PREFILL_CHUNK if cpu else None),
                 )
                 if s.kv_cache_bytes:
                     kwargs["kv_cache_memory_bytes"] = int(s.kv_cache_bytes)
@@ -200,7 +205,11 @@ class VllmBackend:
                 resident = int(self.engine.collective_rpc(worker_weight_bytes)[0]["glyd_weight_bytes"])
             except Exception as exc:  # a report only: fall back to the bytes on disk
                 log.warning("resident weight bytes unavailable (%s); reporting the checkpoint's size", exc)
-        weights = weights_report(self.model_dir, resident)
+        weights = weights_report(self.model_dir, resident, run_bytes=vc.model_config.dtype.itemsize)
+        try:  # the model's generation_config.json, as vLLM's OpenAI server applies it
+            self.sampling_defaults = dict(vc.model_config.get_diff_sampling_param())
+        except Exception as exc:  # noqa: BLE001 - a model without one samples with vLLM's neutral defaults
+            log.warning("no sampling defaults from the model (%s)", exc)
         archs = getattr(vc.model_config.hf_config, "architectures", None) or [""]
         return Ready(
             model=self.model,
@@ -208,7 +217,8 @@ class VllmBackend:
             path=str(self.model_dir),
             architecture=archs[0],
             device="cpu" if cpu else "cuda",
-            engine=f"vLLM {vllm.__version__} ({'CPU' if cpu else 'CUDA'} build{', eager' if eager else ''})",
+            engine=f"vLLM {vllm.__version__} ({'CPU' if cpu else 'CUDA'} build{', eager' if eager else ''}"
+                   + (f", {_threads()} threads)" if cpu else ")"),
             max_model_len=int(vc.model_config.max_model_len),
             kv_capacity_tokens=self.capacity,
             kv_bytes_per_token=kv.bytes_per_token,
@@ -219,6 +229,9 @@ class VllmBackend:
             kv_reason=kv.reason,
             load_seconds=round(time.monotonic() - start, 2),
             rss_bytes=rss_bytes(),
+            dtype=str(vc.model_config.dtype).removeprefix("torch."),
+            weights_dtype=weights.dtype,
+            sampling_defaults={k: v for k, v in self.sampling_defaults.items() if isinstance(v, int | float)},
         )
 
     # ------------------------------------------------------------------ generate
@@ -251,15 +264,12 @@ class VllmBackend:
             self.abort()
         ids, trimmed = self._prompt_ids(req)
         room = max(1, self.settings.max_model_len - len(ids))
-        p = req.params
-        params = SamplingParams(
-            temperature=max(0.0, float(p.temperature)),
-            top_p=min(1.0, max(1e-3, float(p.top_p))),
-            max_tokens=max(1, min(int(p.max_tokens), room)),
-            output_kind=RequestOutputKind.DELTA,
-        )
+        params = SamplingParams(**sampling_kwargs(req.params, self.sampling_defaults, room),
+                                output_kind=RequestOutputKind.DELTA)
         self.reply = _Reply(req.id, len(ids), trimmed)
-        self.engine.add_request(req.id, TokensPrompt(prompt_token_ids=ids), params)
+        internal = self.engine.add_request(req.id, TokensPrompt(prompt_token_ids=ids), params)
+        if isinstance(internal, str):
+            self.reply.internal_id = internal
 
     def step(self) -> None:
         """One engine step: deltas out, and the stats now and then; the end of the reply when done."""
@@ -283,9 +293,20 @@ class VllmBackend:
                 reason = (out.outputs[0].finish_reason if out.outputs else None) or "stop"
                 self._finish(reason)
                 return
-            if now - reply.last_stats >= STATS_INTERVAL_S:
-                reply.last_stats = now
-                self.emit(self._stats(reply, final=False))
+        now = time.monotonic()
+        if now - reply.last_stats >= STATS_INTERVAL_S:  # also while a long prompt is read (no output yet)
+            reply.last_stats = now
+            self.emit(self._stats(reply, final=False))
+
+    def _prompt_done(self, r: _Reply) -> int:
+        """Prompt tokens vLLM has processed for the reply (its scheduler's count, in this process)."""
+        if r.t_first is not None:
+            return r.prompt_tokens
+        try:
+            request = self.engine.engine_core.engine_core.scheduler.requests.get(r.internal_id)
+            return min(r.prompt_tokens, int(request.num_computed_tokens)) if request is not None else 0
+        except AttributeError:  # another vLLM layout: no progress, never an error
+            return 0
 
     def abort(self) -> None:
         if self.reply is not None:
@@ -315,10 +336,32 @@ class VllmBackend:
             kv_capacity_tokens=self.capacity,
             trimmed_messages=r.trimmed,
             final=final,
+            prompt_done=self._prompt_done(r),
+            rss_bytes=rss_bytes(),
         )
 
     def close(self) -> None:
         self.engine = None
+
+
+def sampling_kwargs(p: GenerationParams, defaults: dict[str, Any], room: int) -> dict[str, Any]:
+    """SamplingParams for one reply: the model's defaults (generation_config.json) under the user's settings,
+    and a fresh seed unless the user fixed one (vLLM's engine-wide seed would repeat every reply in every
+    home)."""
+    kw = {k: v for k, v in defaults.items() if k != "max_tokens"}
+    if p.temperature is not None:
+        kw["temperature"] = max(0.0, float(p.temperature))
+    if p.top_p is not None:
+        kw["top_p"] = min(1.0, max(1e-3, float(p.top_p)))
+    kw["max_tokens"] = max(1, min(int(p.max_tokens), room))
+    kw["seed"] = int(p.seed) if p.seed is not None else secrets.randbelow(1 << 31)
+    return kw
+
+
+def _threads() -> int:
+    import torch
+
+    return int(torch.get_num_threads())
 
 
 def _display_name(model: str, model_dir: Path) -> str:

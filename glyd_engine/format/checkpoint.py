@@ -23,6 +23,7 @@ import torch
 from glyd_engine.atomic import atomic_dir
 from glyd_engine.errors import CorruptFileError, GlydError, MismatchError, UnsupportedModelError
 from glyd_engine.format import FORMAT_VERSION, weights
+from glyd_engine.models import SAFETENSORS_ITEM_BYTES
 from glyd_engine.progress import CancelToken, PhaseTimer, ProgressCallback, no_progress
 
 MIN_PACKED_VALUES = 4096  # smaller tensors (norms, biases) stay plain: their tables would cost more
@@ -31,9 +32,6 @@ INDEX = "model.safetensors.index.json"
 SHARD_BYTES_KEY = "shard_bytes"  # index metadata: file name -> its size in bytes
 PLAIN_CRC_KEY = "glyd_plain_crc32"
 QUANT_METHOD = "glyd"
-
-_SAFETENSORS_DTYPES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
-                       "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
 
 
 def read_header(path: Path) -> dict[str, dict]:
@@ -138,6 +136,21 @@ class _ShardWriter:
         self.buf, self.crcs, self.size = {}, {}, 0
 
 
+def check_destination(dst: Path, overwrite: bool) -> None:
+    """Refuse a destination whose files pack would lose: `overwrite` replaces only a Glyd checkpoint."""
+    if dst.exists() and not dst.is_dir():
+        raise GlydError(f"{dst} is a file; the checkpoint is a directory: choose a path that does not exist")
+    if not dst.exists() or not any(dst.iterdir()):
+        return
+    if not overwrite:
+        raise GlydError(f"{dst} exists and is not empty; choose another path, or pass --force to replace the Glyd "
+                        "checkpoint there")
+    if not is_glyd_checkpoint(dst):
+        raise GlydError(f"{dst} is not a Glyd checkpoint (its config.json does not say quant_method \"glyd\"): "
+                        "--force replaces only a Glyd checkpoint, never other files; nothing was changed. "
+                        "Choose another path")
+
+
 def pack_model(src: Path, dst: Path, progress: ProgressCallback = no_progress,
                cancel: CancelToken | None = None, overwrite: bool = False) -> PackReport:
     from safetensors import safe_open
@@ -145,10 +158,9 @@ def pack_model(src: Path, dst: Path, progress: ProgressCallback = no_progress,
     src, dst = Path(src), Path(dst)
     if dst.resolve() == src.resolve():
         raise GlydError("the destination must differ from the source")
-    if dst.exists() and any(dst.iterdir()) and not overwrite:
-        raise GlydError(f"{dst} exists and is not empty; choose another path or pass --force")
+    check_destination(dst, overwrite)
     tensors = check_source(src)
-    total = sum(int(np.prod(i["shape"])) * _SAFETENSORS_DTYPES.get(i["dtype"], 2) for _, i in tensors.values())
+    total = sum(int(np.prod(i["shape"])) * SAFETENSORS_ITEM_BYTES.get(i["dtype"], 2) for _, i in tensors.values())
     report = PackReport()
     with atomic_dir(dst) as tmp:
         timer = PhaseTimer("pack", f"packing {src.name}", total, progress, cancel)

@@ -122,5 +122,5 @@ def kv_status(vllm_config: Any) -> dict[str, Any]:
         return {"mode": "vllm", "reason": reason, "bytes_per_token": float(bf16)}
     tables = state.load_tables(mc.model)
     per_token = layers * heads * tables.token_bytes(settings.code_bits(vllm_config))
-    return {"mode": d.mode, "reason": f"{d.mode}: every value exact, {bf16 / per_token:.2f}x the tokens of bf16",
+    return {"mode": d.mode, "reason": f"every value exact, {bf16 / per_token:.2f}x the tokens of bf16",
             "bytes_per_token": float(per_token)}

@@ -83,6 +83,26 @@ def _(x: torch.Tensor, sm: torch.Tensor, offs: torch.Tensor, esc_pos: torch.Tens
     return x.new_empty((*x.shape[:-1], rows))
 
 
+@torch.library.custom_op("glyd::resident_embedding", mutates_args=())
+def resident_embedding(ids: torch.Tensor, sm: torch.Tensor, offs: torch.Tensor, esc_pos: torch.Tensor,
+                       esc_bits: torch.Tensor, base: int, rows: int, cols: int) -> torch.Tensor:
+    """Embedding rows [*ids.shape, cols], bf16. An op of its own because decoding only the looked-up rows
+    depends on the data (how many escapes they hold): torch.compile cannot trace that, so it sees this op
+    through its fake implementation. CUDA: decode all, then gather (no host sync, CUDA-graph safe)."""
+    r = resident.ResidentWeight((rows, cols), sm, offs, base, esc_pos, esc_bits)
+    if ids.is_cuda and cols % 2 == 0:
+        from kernels.resident_linear import resident_decode
+
+        return torch.nn.functional.embedding(ids, resident_decode(r))
+    return resident.decode_rows(r, ids).reshape(*ids.shape, cols)
+
+
+@resident_embedding.register_fake
+def _(ids: torch.Tensor, sm: torch.Tensor, offs: torch.Tensor, esc_pos: torch.Tensor, esc_bits: torch.Tensor,
+      base: int, rows: int, cols: int) -> torch.Tensor:
+    return ids.new_empty((*ids.shape, cols), dtype=torch.bfloat16)
+
+
 def _apply(src: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     rows, cols = src.glyd_shape
     return resident_linear(x, src.glyd_sm, src.glyd_offs, src.glyd_esc_pos, src.glyd_esc_bits, src.glyd_plan_rowptr,
@@ -187,12 +207,6 @@ def _install(layer: torch.nn.Module, r: resident.ResidentWeight, device: torch.d
     layer.glyd_bytes = r.nbytes + sum(t.numel() * t.element_size() for t in plan)
 
 
-def held(layer: torch.nn.Module) -> resident.ResidentWeight:
-    """The resident weight a layer holds (a view of its buffers)."""
-    return resident.ResidentWeight(layer.glyd_shape, layer.glyd_sm, layer.glyd_offs, layer.glyd_base,
-                                   layer.glyd_esc_pos, layer.glyd_esc_bits)
-
-
 def _refuse_partitioned(layer: torch.nn.Module, prefix: str) -> None:
     if int(getattr(layer, "tp_size", 1) or 1) > 1:
         raise UnsupportedModelError(f"Glyd weights do not support tensor parallelism yet ({prefix}: tp_size "
@@ -287,12 +301,10 @@ class GlydEmbeddingMethod(QuantizeMethodBase):
     def embedding(self, layer: torch.nn.Module, input_: torch.Tensor) -> torch.Tensor:
         if self.plain is not None:
             return self.plain.embedding(layer, input_)
-        r = held(self._source(layer))
-        if input_.is_cuda and r.shape[1] % 2 == 0:  # no host sync (CUDA graphs): decode all, then gather
-            from kernels.resident_linear import resident_decode
-
-            return torch.nn.functional.embedding(input_, resident_decode(r))
-        return resident.decode_rows(r, input_).reshape(*input_.shape, -1)
+        src = self._source(layer)
+        rows, cols = src.glyd_shape
+        return resident_embedding(input_, src.glyd_sm, src.glyd_offs, src.glyd_esc_pos, src.glyd_esc_bits,
+                                  src.glyd_base, rows, cols)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.plain is not None:

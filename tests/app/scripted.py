@@ -36,8 +36,11 @@ READY = Ready(
     weights_bytes=188_000_000,
     weights_bf16_bytes=269_030_016,
     kv_mode="lossless",
-    kv_reason="Glyd pages, bit-exact",
+    kv_reason="every value exact, 1.40x the tokens of bf16",
     load_seconds=9.6,
+    dtype="bfloat16",
+    weights_dtype="glyd",
+    rss_bytes=900 << 20,
 )
 
 REPLY = 'The capital of France is **Paris**.\n\n```python\nprint("Bonjour, Paris")\n```\n'

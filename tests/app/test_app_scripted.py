@@ -12,6 +12,7 @@ from scripted import READY, Script
 from glyd_app.app import GlydApp
 from glyd_app.screens.dialogs import EngineFailed
 from glyd_app.screens.start import StartScreen
+from glyd_app.widgets.chat_input import ChatInput
 from glyd_app.widgets.messages import MessageView
 from glyd_app.widgets.stats_bar import StatsBar
 from glyd_engine.engine.protocol import Error, Progress
@@ -63,14 +64,15 @@ async def test_newline_key_and_enter_sends_whole_text(scripted_app: MakeApp) -> 
         assert app.query(MessageView).first().content == "one\ntwo"
 
 
-async def test_escape_stops_the_reply_and_keeps_the_text(scripted_app: MakeApp) -> None:
+@pytest.mark.parametrize("key", ["escape", "ctrl+c"])
+async def test_escape_stops_the_reply_and_keeps_the_text(scripted_app: MakeApp, key: str) -> None:
     app = scripted_app(Script(hold=True))
     async with app.run_test(size=SIZE) as pilot:
         await _ready(pilot, app)
         await type_text(pilot, "tell me a story")
         await pilot.press("enter")
         await wait_for(pilot, lambda: app.chat_screen.busy)
-        await pilot.press("escape")
+        await pilot.press(key)
         await wait_for(pilot, lambda: not app.chat_screen.busy)
         reply = app.store.messages(app.chat_screen.chat.id)[-1]  # type: ignore[union-attr]
         assert reply.status == "stopped" and "Paris" in reply.content
@@ -81,6 +83,10 @@ async def test_message_typed_while_starting_is_sent_when_ready(scripted_app: Mak
     app = scripted_app(Script(start=[Progress("kv-tables", "calibrating", 3, 48, 60.0)]))
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: isinstance(app.screen, StartScreen))
+        await pilot.pause(0.1)
+        shown = " ".join(str(w.render()) for w in app.screen.query("Label, ProgressBar *"))
+        assert shown.count("left") == 1 and "about 1 min 00 s left" in shown  # one ETA: the engine's
+        assert "--:--:--" not in shown and "00:00:" not in shown  # the bar has none of its own
         await pilot.press("escape")  # hide the progress, keep typing
         await type_text(pilot, "hello")
         await pilot.press("enter")
@@ -223,6 +229,10 @@ async def test_palette_help_and_remapped_key(scripted_app: MakeApp, glyd_home: P
         await wait_for(pilot, lambda: app.chat_screen.chat.id != first)  # type: ignore[union-attr]
         await pilot.press("f1")
         await wait_for(pilot, lambda: app.screen.__class__.__name__ == "HelpScreen")
+        rows = {k: i for k, _, i in app.screen.rows}  # type: ignore[attr-defined]
+        assert rows["ctrl+b"] == "glyd.new_chat" and rows["ctrl+g"] == "glyd.regenerate"
+        help_text = app.screen.query_one("Markdown").source  # type: ignore[attr-defined]
+        assert "| `ctrl+p` | Command palette (Textual's own key) | (fixed) |" in help_text  # no empty cell
         await pilot.press("escape")
         await pilot.press("ctrl+p")
         await wait_for(pilot, lambda: app.screen.__class__.__name__ == "CommandPalette")
@@ -281,3 +291,78 @@ async def test_quick_successive_switches_leave_one_engine(scripted_app: MakeApp,
         )  # type: ignore[attr-defined]
         await pilot.pause(0.2)
         assert [e for e in engines if e.running] == [app.engine]
+
+
+async def test_kv_mode_is_chosen_in_the_app_saved_and_the_engine_restarts(scripted_app: MakeApp,
+                                                                         glyd_home: Path) -> None:
+    """F5 lists the modes with what each costs; picking one keeps the user's config.toml lines, saves the mode
+    there and restarts the engine with it."""
+    from glyd_app.config import config_path, load_engine_settings
+
+    config_path().parent.mkdir(parents=True)
+    config_path().write_text("# mine\n[engine]\nmax_model_len = 2048\n")
+    app = scripted_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await _ready(pilot, app)
+        await pilot.press("f5")
+        await wait_for(pilot, lambda: app.screen.__class__.__name__ == "KVModeScreen")
+        options = app.screen.query_one("#kv-modes")
+        texts = [str(options.get_option_at_index(i).prompt) for i in range(options.option_count)]
+        assert any("lossless" in t and "KV tables" in t and "slower" in t for t in texts), texts
+        await pilot.press("up", "up", "enter")  # from the current mode (off, the fixture's) to lossless
+        engines = app.engine_factory.engines  # type: ignore[attr-defined]
+        await wait_for(pilot, lambda: len(engines) == 2 and app.engine_state == "ready")
+        assert engines[-1].started[-1][1].kv == "lossless" and app.settings.kv == "lossless"
+    text = config_path().read_text()
+    assert text.startswith("# mine\n[engine]\n") and 'kv = "lossless"' in text and "max_model_len = 2048" in text
+    settings, error = load_engine_settings()
+    assert error is None and settings.kv == "lossless" and settings.max_model_len == 2048
+
+
+async def test_ctrl_c_copies_when_no_reply_streams(scripted_app: MakeApp) -> None:
+    app = scripted_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await _ready(pilot, app)
+        await focus_input(pilot, app)
+        await type_text(pilot, "copy me")
+        await pilot.press("shift+home", "ctrl+c")  # no reply streaming: the selection is copied
+        await wait_for(pilot, lambda: app.clipboard == "copy me")
+
+
+async def test_regenerate_and_edit_the_last_message(scripted_app: MakeApp) -> None:
+    """Ctrl+G asks again (the previous reply is replaced); Ctrl+T takes the last message back into the box
+    (it and its reply leave the chat) to be sent again as edited."""
+    app = scripted_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await _ready(pilot, app)
+        await type_text(pilot, "Capital of France?")
+        await pilot.press("enter")
+        chat_id = app.chat_screen.chat.id  # type: ignore[union-attr]
+        await wait_for(pilot, lambda: len(app.store.messages(chat_id)) == 2 and not app.chat_screen.busy)
+        first_reply = app.store.messages(chat_id)[1].created
+        engine = app.engine_factory.engines[-1]  # type: ignore[attr-defined]
+        await pilot.press("ctrl+g")
+        await wait_for(pilot, lambda: len(engine.requests) == 2 and not app.chat_screen.busy)
+        stored = app.store.messages(chat_id)
+        assert [m.role for m in stored] == ["user", "assistant"] and stored[1].created > first_reply
+        assert engine.requests[1][0] == engine.requests[0][0]  # the same conversation, asked again
+        assert len(app.query(MessageView)) == 2
+        await pilot.press("ctrl+t")
+        await wait_for(pilot, lambda: app.chat_screen.query_one(ChatInput).text == "Capital of France?")
+        assert app.store.messages(chat_id) == [] and len(app.query(MessageView)) == 0
+        await type_text(pilot, " And of Italy?")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: len(engine.requests) == 3 and not app.chat_screen.busy)
+        assert engine.requests[2][0] == [{"role": "user", "content": "Capital of France? And of Italy?"}]
+
+
+async def test_a_cancelled_start_reads_as_cancelled_not_failed(scripted_app: MakeApp) -> None:
+    app = scripted_app(Script(start=[Progress("kv-tables", "calibrating", 3, 48, 60.0)]))
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: isinstance(app.screen, StartScreen))
+        await pilot.press("ctrl+x")
+        await wait_for(pilot, lambda: app.engine_state == "failed")
+        await pilot.pause(0.1)
+        bar = app.chat_screen.query_one(StatsBar).render().plain
+        assert "engine: start cancelled" in bar and "failed" not in bar and "Cancelled:" not in bar
+        assert app.screen is app.chat_screen  # no failure dialog for the user's own cancel

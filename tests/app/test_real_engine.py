@@ -31,7 +31,7 @@ REPLY_TIMEOUT = 180.0
 
 
 def _settings() -> EngineSettings:
-    return EngineSettings(kv=os.environ.get("GLYD_TEST_KV", "off"), max_model_len=1024)
+    return EngineSettings(kv=os.environ.get("GLYD_TEST_KV", "off"))
 
 
 @pytest.fixture
@@ -97,13 +97,16 @@ async def test_chat_stop_switch_and_back_on_the_real_engine(real_env: dict[str, 
         await _ready(pilot, app)
         ready = app.ready_info
         assert ready is not None and ready.device == "cpu" and ready.kv_capacity_tokens > 1000
+        assert f"{len(os.sched_getaffinity(0))} threads" in ready.engine  # every core, not vLLM's one
+        assert ready.sampling_defaults.get("temperature") == 0.0  # the demo's generation_config: greedy
 
-        # 1. a streamed reply, with tokens a second and memory on screen
+        # 1. the first answer of a fresh chat, with the chat's default settings (the model's own sampling),
+        #    streamed, with tokens a second and memory on screen
         reply = await _send(pilot, app, "What is the capital of France?")
-        assert reply.role == "assistant" and reply.content.strip()
+        assert reply.role == "assistant" and "Paris" in reply.content, reply.content
         bar = app.chat_screen.query_one(StatsBar).render().plain
         assert "gen " in bar and "tok/s" in bar and "TTFT" in bar and "– tok/s" not in bar.split("·")[1]
-        assert "weights " in bar and ("MiB" in bar or "GiB" in bar)
+        assert "weights " in bar and ("MiB" in bar or "GiB" in bar) and " RAM " in bar
         assert f"/{ready.kv_capacity_tokens:,} tok" in bar and "KV mode" in bar
         chat_id = app.chat_screen.chat.id  # type: ignore[union-attr]
         stored = app.store.messages(chat_id)
@@ -125,10 +128,26 @@ async def test_chat_stop_switch_and_back_on_the_real_engine(real_env: dict[str, 
         assert stopped.status == "stopped" and len(stopped.content) > 20
         assert stopped.stats["generated_tokens"] < 512
 
-        # 3. switch to a second model and back; the chat stays on screen
+        # 2b. a long paste: the bar says how much of the prompt vLLM has read, and Esc stops it there
+        box = app.chat_screen.query_one(ChatInput)
+        box.text = " ".join(f"Note {i}: the river rose again and the mill stayed shut." for i in range(300))
+        await pilot.press("enter")
+        bar_widget = app.chat_screen.query_one(StatsBar)
+        await wait_for(pilot, lambda: bar_widget.stats is not None and bar_widget.stats.prompt_done > 0,
+                       REPLY_TIMEOUT, "prompt progress")
+        progress = bar_widget.stats
+        assert progress.ttft_s is None and progress.prompt_done < progress.prompt_tokens  # type: ignore[union-attr]
+        assert "reading the prompt" in bar_widget.render().plain
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: not app.chat_screen.busy, 60, "stopped while reading the prompt")
+        stopped = app.store.messages(chat_id)[-1]
+        assert stopped.status == "stopped" and stopped.stats["generated_tokens"] == 0
+
+        # 3. switch to a second model and back; the chat stays on screen, the old numbers do not
         before = len(app.query(MessageView))
         first_pid = app.engine.pid  # type: ignore[union-attr]
         app.switch_model(str(real_env["second"]))
+        assert bar_widget.stats is None and "prompt – tok/s" in bar_widget.render().plain
         await wait_for(pilot, lambda: app.engine_state == "starting", 10)
         await _ready(pilot, app)
         assert app.ready_info is not None and Path(app.ready_info.path) == real_env["second"].resolve()

@@ -31,6 +31,28 @@ def test_version_1_database_is_upgraded_keeping_its_chats(tmp_path: Path) -> Non
     assert (msg.content, msg.status, msg.stats) == ("hi", "done", {})
 
 
+def test_version_2_chats_take_the_models_sampling_unless_a_user_chose_theirs(tmp_path: Path) -> None:
+    """Schema 3 lets temperature/top-p be the model's default; chats at the old fixed defaults (0.7, 0.95)
+    get it, a chat a user set keeps its values, and no message is lost in the table rebuild."""
+    path = tmp_path / "v2.sqlite3"
+    db = sqlite3.connect(path)
+    db.executescript(MIGRATIONS[0] + "; " + MIGRATIONS[1] + "; PRAGMA user_version = 2;")
+    db.execute("INSERT INTO chats (title, created, updated) VALUES ('defaults', 1, 1)")
+    db.execute("INSERT INTO chats (title, temperature, top_p, created, updated) VALUES ('mine', 0.3, 0.8, 2, 2)")
+    db.execute("INSERT INTO messages (chat_id, role, content, created) VALUES (1, 'user', 'hi', 1)")
+    db.execute("INSERT INTO messages (chat_id, role, content, created) VALUES (2, 'user', 'yo', 2)")
+    db.commit()
+    db.close()
+    store = Store(path)
+    assert store.version == SCHEMA_VERSION
+    chats = {c.title: c for c in store.chats()}
+    assert (chats["defaults"].temperature, chats["defaults"].top_p, chats["defaults"].seed) == (None, None, None)
+    assert (chats["mine"].temperature, chats["mine"].top_p) == (0.3, 0.8)
+    assert [m.content for c in ("defaults", "mine") for m in store.messages(chats[c].id)] == ["hi", "yo"]
+    store.delete_chat(chats["mine"].id)  # foreign keys are back on: its messages go with it
+    assert store.db.execute("SELECT COUNT(*) FROM messages").fetchone()[0] == 1
+
+
 def test_newer_database_is_refused_not_damaged(tmp_path: Path) -> None:
     path = tmp_path / "new.sqlite3"
     db = sqlite3.connect(path)

@@ -251,10 +251,32 @@ def test_page_size_does_not_depend_on_block_size() -> None:
 def test_serve_binds_localhost_unless_told() -> None:
     from glyd_engine.commands.serve import vllm_command
 
-    cmd = vllm_command("/m", ["--port", "9000"])
-    assert cmd[-5:] == ["/m", "--host", "127.0.0.1", "--port", "9000"]
-    cmd = vllm_command("/m", ["--", "--host=0.0.0.0"])
+    cmd, _ = vllm_command("/m", ["--port", "9000"], cpu=False)
+    assert cmd[1:] == ["-m", "glyd_engine.vllm_cli", "serve", "/m", "--host", "127.0.0.1", "--port", "9000"]
+    cmd, _ = vllm_command("/m", ["--", "--host=0.0.0.0"], cpu=False)
     assert "127.0.0.1" not in cmd and cmd[-1] == "--host=0.0.0.0"
+
+
+def test_serve_sizes_the_cpu_build_for_the_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's CPU defaults (92% of the node's RAM, one core of two kept for its scheduler) do not fit a
+    small machine: glyd serve sizes the KV cache from the free RAM and uses every core, unless told."""
+    from glyd_engine.commands import serve
+
+    monkeypatch.setattr(serve, "available_memory", lambda: 12 << 30)
+    monkeypatch.setattr(serve, "usable_cores", lambda: 2)
+    env: dict[str, str] = {}
+    cmd, notes = serve.vllm_command("/m", [], env, cpu=True)
+    assert cmd[-2:] == ["--kv-cache-memory-bytes", str(1536 << 20)] and len(notes) == 2
+    assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    assert serve.cpu_kv_cache_bytes(1 << 30) == 512 << 20 and serve.cpu_kv_cache_bytes(1 << 40) == 4096 << 20
+    for given in (["--gpu-memory-utilization", "0.3"], ["--kv-cache-memory-bytes=1000000"]):
+        cmd, _ = serve.vllm_command("/m", given, {}, cpu=True)
+        assert cmd[-len(given):] == given and "--kv-cache-memory-bytes" not in cmd  # the user's size stands
+    env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+    serve.vllm_command("/m", [], env, cpu=True)
+    assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"  # the user's own setting stands
+    cmd, notes = serve.vllm_command("/m", [], {}, cpu=False)
+    assert "--kv-cache-memory-bytes" not in cmd and not notes  # CUDA: vLLM's own sizing
 
 
 def test_bench_kv_parser() -> None:

