@@ -83,7 +83,8 @@ def test_pack_onto_a_full_disk_is_one_clear_line_and_leaves_nothing(small_disk: 
 def test_pack_force_onto_a_full_disk_keeps_the_old_destination(small_disk: SmallDisk, tiny: Path) -> None:
     old = small_disk.root / "out"
     old.mkdir()
-    (old / "config.json").write_text('{"an": "earlier checkpoint"}')
+    # an earlier Glyd checkpoint (the only kind --force replaces)
+    (old / "config.json").write_text('{"quantization_config": {"quant_method": "glyd"}, "an": "earlier checkpoint"}')
     before = _tree(small_disk.root)
     r = small_disk.run(["-m", "glyd_engine.cli", "pack", str(tiny), str(old), "--force"])
     assert r.returncode != 0
