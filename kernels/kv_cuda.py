@@ -17,17 +17,19 @@ from kernels import nvrtc
 
 SOURCE = "kv_pages.cu"
 WARPS = 4  # warps a decode block, each with its own share of the block's tiles
-TARGET_BLOCKS = 4 * 132  # enough decode blocks to fill an H200 (132 multiprocessors) a few times over
-MIN_TILES_A_WARP = 4  # a context split gives each warp at least this many tiles, unless the grid would be too small
-SMS = 132  # H200 multiprocessors: a decode grid of fewer blocks than this is latency-bound
+RING = 2  # tiles a decode warp holds in shared memory (one decoding, one in flight): fewer registers than a second
+MIN_BLOCKS = 3  # register buffer, so three blocks (12 warps) fit a multiprocessor
+SMS = 132  # multiprocessors of an H200, where the device does not say
 MAX_SPLITS = 64
+SPLIT_COST_TILES = 6  # a split's fixed cost (set-up, partial results, merge) in tiles a warp, fitted on the H200
 KERNELS = ("kv_decode_attention", "kv_merge", "kv_read_tiles", "kv_write", "kv_sizes")
+COUNTERS_MIN = 1 << 16  # split counters held a device: (sequence, KV head) pairs of one launch
 
 
 def defines(layout: KVPageLayout, group: int, variant: tuple[tuple[str, int], ...] = ()) -> dict[str, int]:
     """Compile-time constants of a build; `variant` overrides tuning ones (MIN_BLOCKS, WARPS) for benchmarks."""
     return {"HEAD": layout.head_size, "CODE_BITS": layout.code_bits, "GQ": group, "RESERVE": layout.reserve,
-            "TPP": layout.tiles, "WARPS": WARPS, **dict(variant)}
+            "TPP": layout.tiles, "WARPS": WARPS, "RING": RING, "MIN_BLOCKS": MIN_BLOCKS, **dict(variant)}
 
 
 @functools.lru_cache(maxsize=64)
@@ -72,14 +74,43 @@ def _overflow_args(overflow: OverflowStore | None, device: torch.device) -> tupl
     return overflow.ptr, arena
 
 
-def num_splits_for(batch: int, num_kv_heads: int, max_seq_len: int) -> int:
-    """Context splits of a decode launch: enough blocks to fill the GPU, each warp with a few tiles at least."""
-    tiles = math.ceil(max(1, max_seq_len) / TILE)
-    want = math.ceil(TARGET_BLOCKS / max(1, batch * num_kv_heads))
-    cap = max(1, tiles // (WARPS * MIN_TILES_A_WARP))
-    if batch * num_kv_heads * cap < SMS:  # a few short sequences: split down to a tile a warp to fill the GPU
-        cap = max(1, min(tiles // WARPS, math.ceil(SMS / max(1, batch * num_kv_heads))))
-    return int(max(1, min(want, cap, MAX_SPLITS)))
+def num_splits_for(batch: int, num_kv_heads: int, max_seq_len: int, sms: int = SMS,
+                   blocks_per_sm: int = MIN_BLOCKS) -> int:
+    """Context splits of a decode launch: the fewest that minimise waves of blocks x (tiles a warp + a split's cost).
+
+    Whole waves, because a wave of blocks only partly full still takes a block's time; the fixed cost, because
+    each split sets up, writes partial results and is merged."""
+    return _splits(max(1, batch * num_kv_heads), math.ceil(max(1, max_seq_len) / TILE), sms * blocks_per_sm)
+
+
+@functools.lru_cache(maxsize=4096)
+def _splits(blocks: int, tiles: int, slots: int) -> int:
+    best, best_cost = 1, math.inf
+    for s in range(1, max(1, min(MAX_SPLITS, tiles // WARPS)) + 1):
+        cost = math.ceil(blocks * s / slots) * (math.ceil(tiles / (s * WARPS)) + SPLIT_COST_TILES)
+        if cost < best_cost:
+            best, best_cost = s, cost
+    return best
+
+
+@functools.lru_cache(maxsize=16)
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def split_counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 counters, one a (sequence, KV head), kept a device: each launch leaves them at zero again.
+
+    Held across calls (and CUDA-graph replays) so a launch needs no memset; launches on one device must not run
+    concurrently on two streams (vLLM's forward runs on one)."""
+    c = _counters.get(device)
+    if c is None or c.numel() < n:
+        c = torch.zeros(max(n, COUNTERS_MIN), dtype=torch.int32, device=device)
+        _counters[device] = c
+    return c
 
 
 def decode_attention(query: torch.Tensor, cache: torch.Tensor, layout: KVPageLayout, tops: torch.Tensor,
@@ -97,12 +128,13 @@ def decode_attention(query: torch.Tensor, cache: torch.Tensor, layout: KVPageLay
     if hq % h or d != layout.head_size or query.dtype != torch.bfloat16 or query.stride(2) != 1:
         raise ValueError("query must be bf16 [S, a multiple of the KV heads, head size] with contiguous head dims")
     ks, smem, _ = kernels(layout, hq // h, cache.device, variant)
-    warps = dict(variant).get("WARPS", WARPS)
+    build = defines(layout, hq // h, variant)
+    warps = build["WARPS"]
     if out is None:
         out = torch.empty_like(query)
     if s == 0:
         return out
-    splits = num_splits or num_splits_for(s, h, max_seq_len)
+    splits = num_splits or num_splits_for(s, h, max_seq_len, _multiprocessors(query.device), build["MIN_BLOCKS"])
     tiles_per_split = math.ceil(math.ceil(max(1, max_seq_len) / TILE) / splits)
     if splits > 1:
         if scratch is None:
@@ -115,12 +147,13 @@ def decode_attention(query: torch.Tensor, cache: torch.Tensor, layout: KVPageLay
     ptr, arena = _overflow_args(overflow, cache.device)
     bt = block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)
     sl = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.to(torch.int32)
+    counters = split_counters(cache.device, s * h)
     ks["kv_decode_attention"](
         (splits, h, s), (warps * 32,),
-        [query, out, part_o, part_ml, cache, tops, ptr, arena, bt, sl, float(scale * 1.4426950408889634),
+        [query, out, part_o, part_ml, counters, cache, tops, ptr, arena, bt, sl, float(scale * 1.4426950408889634),
          query.stride(0), query.stride(1), out.stride(0), out.stride(1), bt.stride(0), h, tiles_per_split, splits],
         smem=smem)
-    if splits > 1:
+    if splits > 1 and not build.get("FUSED_MERGE", 1):
         ks["kv_merge"]((s, hq), (d,), [out, part_o, part_ml, out.stride(0), out.stride(1), hq, splits])
     return out
 
@@ -158,17 +191,13 @@ def write(cache: torch.Tensor, layout: KVPageLayout, tops: torch.Tensor, overflo
         return 0
     if key.shape[1:] != (h, layout.head_size) or key.dtype != torch.bfloat16 or key.stride(2) != 1:
         raise ValueError("key/value must be bf16 [T, H, D] with contiguous head dims")
-    ks, _, smem = kernels(layout, 1, cache.device)
     key, value = _aligned(key), _aligned(value)
     sl = slots.to(torch.int64).contiguous()
     need = torch.zeros(t, h, 2, dtype=torch.int32, device=cache.device)
     rounds = 0
-    only = 0
+    only = False
     while True:
-        ptr, arena = _overflow_args(overflow, cache.device)
-        ks["kv_write"]((math.ceil(t / TILE), h), (128,), [
-            cache, key, value, sl, tops, ptr, arena, need, t, h, key.stride(0), key.stride(1), value.stride(0),
-            value.stride(1), only], smem=smem)
+        launch_write(cache, layout, tops, overflow, key, value, sl, need, only)
         if not bool(need.any()):  # the overflow runs were long enough (one host sync)
             return rounds
         rounds += 1
@@ -178,7 +207,20 @@ def write(cache: torch.Tensor, layout: KVPageLayout, tops: torch.Tensor, overflo
             sel = kind == k
             if bool(sel.any()):
                 overflow.reserve_entries(tiles[sel], hi[sel], k, need[ti[sel], hi[sel], k].to(torch.int64))
-        only = 1
+        only = True
 
 
-__all__ = ["decode_attention", "num_splits_for", "read_tiles", "write"]
+def launch_write(cache: torch.Tensor, layout: KVPageLayout, tops: torch.Tensor, overflow: OverflowStore,
+                 key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor, need: torch.Tensor,
+                 only_needy: bool = False, variant: tuple[tuple[str, int], ...] = ()) -> None:
+    """One run of the page writer, no host sync: tiles whose overflow run was short are left uncounted and marked
+    in `need` [T, H, 2] (zeroed by the caller); `write` grows those runs and runs it again with `only_needy`."""
+    ks, _, smem = kernels(layout, 1, cache.device, variant)
+    t, h = slots.shape[0], cache.shape[1]
+    ptr, arena = _overflow_args(overflow, cache.device)
+    ks["kv_write"]((math.ceil(t / TILE), h), (128,), [
+        cache, key, value, slots, tops, ptr, arena, need, t, h, key.stride(0), key.stride(1), value.stride(0),
+        value.stride(1), int(only_needy)], smem=smem)
+
+
+__all__ = ["decode_attention", "launch_write", "num_splits_for", "read_tiles", "split_counters", "write"]

@@ -181,6 +181,9 @@ def set_max_smem(kernel: Kernel, nbytes: int) -> None:
 
     attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
     _check((driver.cuFuncSetAttribute(kernel.function, attr, nbytes)[0],), "cuFuncSetAttribute")
+    # the whole L1/shared split as shared memory, so several such blocks fit a multiprocessor
+    carve = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
+    _check((driver.cuFuncSetAttribute(kernel.function, carve, 100)[0],), "cuFuncSetAttribute")
 
 
 __all__ = ["I64", "Kernel", "KernelBuildError", "cached_cubin", "compile_cubin", "load", "nvrtc_version", "on_compile"]

@@ -43,8 +43,17 @@ typedef unsigned long long u64;
 #ifndef SKIP_ESCAPES
 #define SKIP_ESCAPES 0  // benchmarks only (wrong results): 1 skips K's corrections, 2 V's, 3 both
 #endif
+#ifndef RING
+#define RING 2  // decode's tile pipeline: N >= 2, an N-slot cp.async ring a warp in shared memory; 0, two register buffers
+#endif
+#ifndef FUSED_MERGE
+#define FUSED_MERGE 1  // the last split block combines the splits (0: a second launch, kv_merge)
+#endif
+#ifndef WMIN_BLOCKS
+#define WMIN_BLOCKS 8  // page-writer blocks a multiprocessor: sets its register budget
+#endif
 #ifndef MIN_BLOCKS
-#define MIN_BLOCKS 2  // decode blocks a multiprocessor: sets the register budget (65536 / (MIN_BLOCKS * WARPS * 32))
+#define MIN_BLOCKS 3  // decode blocks a multiprocessor: sets the register budget (65536 / (MIN_BLOCKS * WARPS * 32))
 #endif
 #define NEG_INF (-__int_as_float(0x7f800000))
 
@@ -82,10 +91,34 @@ __device__ __forceinline__ u32 transpose8x8(u32 x) {
   asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(r) : "r"(x));
   return r;
 }
-__device__ __forceinline__ uint4 ld16(const u8* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
-__device__ __forceinline__ uint2 ld8(const u8* p) { return __ldg(reinterpret_cast<const uint2*>(p)); }
-__device__ __forceinline__ u32 ld4(const u8* p) { return __ldg(reinterpret_cast<const u32*>(p)); }
-__device__ __forceinline__ u32 ld2(const u8* p) { return __ldg(reinterpret_cast<const u16*>(p)); }
+// Loads of tile bytes: read-only global memory (SH false) or a copy in shared memory (SH true).
+template <bool SH = false>
+__device__ __forceinline__ uint4 ld16(const u8* p) {
+  return SH ? *reinterpret_cast<const uint4*>(p) : __ldg(reinterpret_cast<const uint4*>(p));
+}
+template <bool SH = false>
+__device__ __forceinline__ uint2 ld8(const u8* p) {
+  return SH ? *reinterpret_cast<const uint2*>(p) : __ldg(reinterpret_cast<const uint2*>(p));
+}
+template <bool SH = false>
+__device__ __forceinline__ u32 ld4(const u8* p) {
+  return SH ? *reinterpret_cast<const u32*>(p) : __ldg(reinterpret_cast<const u32*>(p));
+}
+template <bool SH = false>
+__device__ __forceinline__ u32 ld2(const u8* p) {
+  return SH ? u32(*reinterpret_cast<const u16*>(p)) : u32(__ldg(reinterpret_cast<const u16*>(p)));
+}
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+  u32 r;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+  return r;
+}
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
 
 // ---- one tile's K or V planes of one lane ------------------------------------------------------------------------
 struct Planes {
@@ -94,23 +127,24 @@ struct Planes {
 };
 
 // t16 = tile + lane * 16, t8 = tile + lane * 8, t4 = tile + lane * 4: the offsets below fold into the loads.
+template <bool SH = false>
 __device__ __forceinline__ void load_planes(Planes& p, const u8* t16, const u8* t8, const u8* t4, int l_off,
                                             int h_off) {
 #pragma unroll
   for (int c = 0; c < NLC; ++c) {
-    uint4 v = ld16(t16 + l_off + c * 512);
+    uint4 v = ld16<SH>(t16 + l_off + c * 512);
     p.l[4 * c] = v.x; p.l[4 * c + 1] = v.y; p.l[4 * c + 2] = v.z; p.l[4 * c + 3] = v.w;
   }
 #pragma unroll
   for (int c = 0; c < W4; ++c) {
-    uint4 a = ld16(t16 + h_off + c * 512);
+    uint4 a = ld16<SH>(t16 + h_off + c * 512);
     p.h[4 * c] = a.x; p.h[4 * c + 1] = a.y; p.h[4 * c + 2] = a.z; p.h[4 * c + 3] = a.w;
   }
   if (W2) {
-    uint2 b = ld8(t8 + h_off + 512 * W4);
+    uint2 b = ld8<SH>(t8 + h_off + 512 * W4);
     p.h[4 * W4] = b.x; p.h[4 * W4 + 1] = b.y;
   }
-  if (W1) p.h[NW - 1] = ld4(t4 + h_off + 512 * W4 + 256 * W2);
+  if (W1) p.h[NW - 1] = ld4<SH>(t4 + h_off + 512 * W4 + 256 * W2);
 }
 
 #if CB == 3
@@ -155,6 +189,7 @@ struct Escape {
 };
 
 // Entry `e` (o | exponent >> 3 << 11) of K (kind 0) or V (kind 1) of `tile`.
+template <bool SH = false>
 __device__ __forceinline__ Escape locate(const u8* tile, u32 e, int kind) {
   const int o = e & (LP - 1);  // in the tile even for the garbage list of a tile nobody wrote
   const int ln = (o >> 4) & 31, q = ((o >> 9) << 2) | ((o >> 2) & 3), b = o & 3;
@@ -162,9 +197,9 @@ __device__ __forceinline__ Escape locate(const u8* tile, u32 e, int kind) {
   int wa, ra, wb, rb;
   group_words(q, wa, ra, wb, rb);
   const u8* hp = tile + (kind ? V_H : K_H);
-  const u32 A = rotr(ld4(hp + hword_offset(ln, wa)), ra);
+  const u32 A = rotr(ld4<SH>(hp + hword_offset(ln, wa)), ra);
 #if CB == 3
-  const u32 B = rotr(ld4(hp + hword_offset(ln, wb)), rb);
+  const u32 B = rotr(ld4<SH>(hp + hword_offset(ln, wb)), rb);
   const u32 hb = (((A >> (8 * b)) & 0x81u) | ((B >> (8 * b)) & 0x02u)) | 0x3Cu;
 #else
   const u32 hb = ((A >> (8 * b)) & 0x87u) | 0x38u;
@@ -184,9 +219,10 @@ __device__ __forceinline__ Escape locate(const u8* tile, u32 e, int kind) {
 }
 
 // Entry i of a kind: the page's list (K from its start, V from its end), then the tile's overflow run.
+template <bool SH = false>
 __device__ __forceinline__ u32 entry_at(const u8* tile, int i, int n_in, int kind, const int* ovf_ptr,
                                         const u16* arena, long gtile, int h, int num_kv_heads) {
-  if (i < n_in) return ld2(tile + LIST + 2 * (kind ? RESERVE - 1 - i : i));
+  if (i < n_in) return ld2<SH>(tile + LIST + 2 * (kind ? RESERVE - 1 - i : i));
   const int p = __ldg(ovf_ptr + (gtile * num_kv_heads + h) * 2 + kind);
   if (p < 0 || i - n_in >= (8 << (p & 15))) return 0u;  // only an unwritten tile's garbage counts get here
   return __ldg(arena + (long)(p >> 4) * 8 + (i - n_in));
@@ -212,22 +248,29 @@ __device__ __forceinline__ void accumulate(float* row, int key, const float (&ad
 // ================================================================================================================
 // Decode attention: one query token a sequence. Grid (splits, KV heads, sequences); WARPS warps a block, each
 // taking every WARPS-th tile of the block's share of the sequence, with its own online softmax; the block then
-// combines its warps, and with several splits `kv_merge` combines the splits in a fixed order.
+// combines its warps. With several splits each block leaves its partial result in `part_o`/`part_ml`, and the last
+// block of a (sequence, KV head) to finish (a counter in `counters`, which it sets back to 0) combines the splits in
+// a fixed order: no second launch, the same bits whichever block is last.
 // ================================================================================================================
 struct Smem {
+#if RING
+  __align__(16) u8 ring[WARPS][RING][TILE_BYTES];  // each warp's tiles in flight
+  long slot_blk[WARPS][RING];                      // their blocks
+#endif
   u16 q[D][8];      // Q (bf16) [channel][head], heads >= GQ zero
   u16 qs[D][8];     // Q' = Q 2^(top_k - 127) as the MMA takes it
   float vsc[D];     // 2^(top_v - 127): V' back to V
   float pst[WARPS][8][16];
   float ocorr[WARPS][8][D];
   float wm[WARPS][8], wl[WARPS][8];
+  int last;  // this block combines the splits
 };
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) kv_decode_attention(
     const u16* __restrict__ query, u16* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml,
-    const u8* __restrict__ cache, const u8* __restrict__ tops, const int* __restrict__ ovf_ptr,
-    const u16* __restrict__ arena, const int* __restrict__ block_table, const int* __restrict__ seq_lens,
-    float scale_log2, int stride_q0, int stride_q1, int stride_o0, int stride_o1, int bt_stride, int num_kv_heads,
+    int* __restrict__ counters, const u8* __restrict__ cache, const u8* __restrict__ tops,
+    const int* __restrict__ ovf_ptr, const u16* __restrict__ arena, const int* __restrict__ block_table,
+    const int* __restrict__ seq_lens, float scale_log2, int stride_q0, int stride_q1, int stride_o0, int stride_o1, int bt_stride, int num_kv_heads,
     int tiles_per_split, int num_splits) {
   extern __shared__ __align__(16) u8 smem_raw[];
   Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
@@ -237,6 +280,72 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) kv_decode_a
   const int n_tiles = (seq_len + 15) >> 4;
   const int t_begin = split * tiles_per_split;
   const int t_end = min(n_tiles, t_begin + tiles_per_split);
+
+  const u8* head_base = cache + (long)h * PAGE_BYTES;
+  const int* bt = block_table + (long)seq * bt_stride;
+
+  struct Buf {
+    Planes k, v;
+    uint2 tr;
+    u32 ek, ev;
+    long blk;
+  };
+  Buf b0;
+#if !RING
+  Buf b1;
+#endif
+  int blk_lane = 0;  // block id of this warp's tile k0 + lane, for 32 tiles at a time
+  auto block_of = [&](int kk) -> long {  // the warp's kk-th tile (kk increasing, all lanes together)
+    if ((kk & 31) == 0) {
+      const int tl = t_begin + warp + (kk + lane) * WARPS;
+      blk_lane = tl < t_end ? __ldg(bt + tl / TPP) : 0;
+    }
+    return (long)__shfl_sync(FULL, blk_lane, kk & 31);
+  };
+  auto tile_ptr = [&](long blk, int tl) -> const u8* {
+    return head_base + blk * (long)num_kv_heads * PAGE_BYTES + (tl % TPP) * TILE_BYTES;
+  };
+#if !RING
+  auto fetch = [&](Buf& bf_, int kk, int tl) {
+    bf_.blk = block_of(kk);
+    const u8* tp = tile_ptr(bf_.blk, tl);
+    load_planes(bf_.k, tp + lane * 16, tp + lane * 8, tp + lane * 4, K_L, K_H);
+    load_planes(bf_.v, tp + lane * 16, tp + lane * 8, tp + lane * 4, V_L, V_H);
+    bf_.tr = ld8(tp + TR);
+    const u8* l2 = tp + LIST + lane * 2;
+    bf_.ek = lane < RESERVE ? ld2(l2) : 0u;
+    bf_.ev = lane < RESERVE ? ld2(l2 + 2 * (RESERVE - 1) - 4 * lane) : 0u;
+  };
+#endif
+
+  constexpr bool SH = RING > 0;
+#if RING
+  // tile kk of this warp (tl) into ring slot kk % RING; one commit group a call, copies or not
+  auto issue = [&](int kk, int tl) {
+    if (tl < t_end) {
+      const long blk = block_of(kk);
+      const u8* src = tile_ptr(blk, tl);
+      u8* dst = &sm.ring[warp][kk % RING][0];
+      for (int c = lane; c < TILE_BYTES / 16; c += 32) cp_async16(dst + 16 * c, src + 16 * c);
+      if (lane == 0) sm.slot_blk[warp][kk % RING] = blk;
+    }
+    cp_commit();
+  };
+  auto fill = [&](Buf& bf_, const u8* sp) {  // the current tile's registers from its slot
+    load_planes<true>(bf_.k, sp + lane * 16, sp + lane * 8, sp + lane * 4, K_L, K_H);
+    load_planes<true>(bf_.v, sp + lane * 16, sp + lane * 8, sp + lane * 4, V_L, V_H);
+    bf_.tr = ld8<true>(sp + TR);
+    const u8* l2 = sp + LIST + lane * 2;
+    bf_.ek = lane < RESERVE ? ld2<true>(l2) : 0u;
+    bf_.ev = lane < RESERVE ? ld2<true>(l2 + 2 * (RESERVE - 1) - 4 * lane) : 0u;
+  };
+  // The first tiles' bytes are in flight while Q is set up.
+  for (int kk = 0; kk < RING - 1; ++kk) issue(kk, t_begin + warp + kk * WARPS);
+#else
+  // The first tile's bytes are in flight while Q is set up.
+  int tile = t_begin + warp, kk = 0;
+  if (tile < t_end) fetch(b0, 0, tile);
+#endif
 
   for (int i = threadIdx.x; i < 8 * D; i += WARPS * 32) {
     const int hh = i / D, d = i % D;
@@ -266,54 +375,23 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) kv_decode_a
   for (int i = 0; i < D / 16; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
   float m_run[2] = {NEG_INF, NEG_INF}, l_part[2] = {0.f, 0.f};  // heads 2tig, 2tig + 1
   bool ocorr_used = false;
-  const u8* head_base = cache + (long)h * PAGE_BYTES;
-  const int* bt = block_table + (long)seq * bt_stride;
 
-  struct Buf {
-    Planes k, v;
-    uint2 tr;
-    u32 ek, ev;
-    long blk;
-  };
-  Buf b0, b1;
-  int blk_lane = 0;  // block id of this warp's tile k0 + lane, for 32 tiles at a time
-  auto block_of = [&](int kk) -> long {  // the warp's kk-th tile (kk increasing, all lanes together)
-    if ((kk & 31) == 0) {
-      const int tl = t_begin + warp + (kk + lane) * WARPS;
-      blk_lane = tl < t_end ? __ldg(bt + tl / TPP) : 0;
-    }
-    return (long)__shfl_sync(FULL, blk_lane, kk & 31);
-  };
-  auto tile_ptr = [&](long blk, int tl) -> const u8* {
-    return head_base + blk * (long)num_kv_heads * PAGE_BYTES + (tl % TPP) * TILE_BYTES;
-  };
-  auto fetch = [&](Buf& bf_, int kk, int tl) {
-    bf_.blk = block_of(kk);
-    const u8* tp = tile_ptr(bf_.blk, tl);
-    load_planes(bf_.k, tp + lane * 16, tp + lane * 8, tp + lane * 4, K_L, K_H);
-    load_planes(bf_.v, tp + lane * 16, tp + lane * 8, tp + lane * 4, V_L, V_H);
-    bf_.tr = ld8(tp + TR);
-    const u8* l2 = tp + LIST + lane * 2;
-    bf_.ek = lane < RESERVE ? ld2(l2) : 0u;
-    bf_.ev = lane < RESERVE ? ld2(l2 + 2 * (RESERVE - 1) - 4 * lane) : 0u;
-  };
-
-  auto process = [&](const Buf& cb, int tile) {
-    const u8* tp = tile_ptr(cb.blk, tile);
+  // tp: the tile's bytes (global memory, or its ring slot) for the escape entries
+  auto process = [&](const Buf& cb, int tile, const u8* tp) {
     const long gtile = cb.blk * TPP + tile % TPP;
     const int nk_tot = cb.tr.x & 0xFFFF, nv_tot = cb.tr.x >> 16, nk_in = cb.tr.y & 0xFFFF, nv_in = cb.tr.y >> 16;
     u32 k_vals = 0u, k_where = 0xFFu;  // this lane's K entry: true | -decoded << 16; token | channel << 8
     if (SKIP_ESCAPES != 1 && SKIP_ESCAPES != 3 && lane < nk_tot) {
-      const u32 e = lane < nk_in ? cb.ek : entry_at(tp, lane, nk_in, 0, ovf_ptr, arena, gtile, h, num_kv_heads);
-      const Escape x = locate(tp, e, 0);
+      const u32 e = lane < nk_in ? cb.ek : entry_at<SH>(tp, lane, nk_in, 0, ovf_ptr, arena, gtile, h, num_kv_heads);
+      const Escape x = locate<SH>(tp, e, 0);
       k_vals = x.truth | ((x.wrong ^ 0x8000u) << 16);  // the decoded value enters negated
       k_where = u32(x.t) | (u32(x.d) << 8);
     }
     int v_d = 0, v_t = 0;
     float v_delta = 0.f;
     if (SKIP_ESCAPES < 2 && lane < nv_tot) {  // this lane's V entry, located now: its loads overlap the K work
-      const u32 e = lane < nv_in ? cb.ev : entry_at(tp, lane, nv_in, 1, ovf_ptr, arena, gtile, h, num_kv_heads);
-      const Escape x = locate(tp, e, 1);
+      const u32 e = lane < nv_in ? cb.ev : entry_at<SH>(tp, lane, nv_in, 1, ovf_ptr, arena, gtile, h, num_kv_heads);
+      const Escape x = locate<SH>(tp, e, 1);
       v_d = x.d;
       v_t = x.t;
       v_delta = bf(x.truth) - bf(x.wrong) * sm.vsc[x.d];
@@ -337,7 +415,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) kv_decode_a
           vals = 0u;
           where = 0xFFu;
           if (i < nk_tot) {
-            const Escape x = locate(tp, entry_at(tp, i, nk_in, 0, ovf_ptr, arena, gtile, h, num_kv_heads), 0);
+            const Escape x = locate<SH>(tp, entry_at<SH>(tp, i, nk_in, 0, ovf_ptr, arena, gtile, h, num_kv_heads), 0);
             vals = x.truth | ((x.wrong ^ 0x8000u) << 16);
             where = u32(x.t) | (u32(x.d) << 8);
           }
@@ -437,7 +515,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) kv_decode_a
           t = v_t;
           delta = v_delta;
         } else if (ok) {
-          const Escape x = locate(tp, entry_at(tp, i, nv_in, 1, ovf_ptr, arena, gtile, h, num_kv_heads), 1);
+          const Escape x = locate<SH>(tp, entry_at<SH>(tp, i, nv_in, 1, ovf_ptr, arena, gtile, h, num_kv_heads), 1);
           key = x.d;
           t = x.t;
           delta = bf(x.truth) - bf(x.wrong) * sm.vsc[x.d];
@@ -451,20 +529,35 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) kv_decode_a
     }
   };
 
+#if RING
+  // RING - 1 tiles in flight while one decodes
+  for (int kk = 0;; ++kk) {
+    const int tile = t_begin + warp + kk * WARPS;
+    if (tile >= t_end) break;
+    issue(kk + RING - 1, tile + (RING - 1) * WARPS);
+    cp_wait<RING - 1>();
+    __syncwarp();
+    const u8* sp = &sm.ring[warp][kk % RING][0];
+    fill(b0, sp);
+    b0.blk = sm.slot_blk[warp][kk % RING];
+    process(b0, tile, sp);
+    __syncwarp();  // every lane is done with the slot before the next issue refills it
+  }
+  cp_wait<0>();
+#else
   // Two buffers in turn: the next tile's bytes are in flight while this one decodes.
-  int tile = t_begin + warp, kk = 0;
-  if (tile < t_end) fetch(b0, 0, tile);
   while (tile < t_end) {
     if (tile + WARPS < t_end) fetch(b1, kk + 1, tile + WARPS);
-    process(b0, tile);
+    process(b0, tile, tile_ptr(b0.blk, tile));
     tile += WARPS;
     ++kk;
     if (tile >= t_end) break;
     if (tile + WARPS < t_end) fetch(b0, kk + 1, tile + WARPS);
-    process(b1, tile);
+    process(b1, tile, tile_ptr(b1.blk, tile));
     tile += WARPS;
     ++kk;
   }
+#endif
 
   // ---- this warp's heads: l over the 8 lanes of each; O^T unscaled, plus the V corrections ----
 #pragma unroll
@@ -514,9 +607,53 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) kv_decode_a
       }
     }
   }
+#if FUSED_MERGE
+  if (num_splits == 1) return;
+
+  // ---- the last split of this (sequence, KV head) to finish combines them all (fixed order) ----
+  __threadfence();  // this block's partials are visible before its count
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const int prev = atomicAdd(counters + seq * num_kv_heads + h, 1);
+    sm.last = prev == num_splits - 1;
+  }
+  __syncthreads();
+  if (!sm.last) return;
+  __threadfence();
+  float* wsp = &sm.ocorr[0][0][0];  // [GQ][num_splits] split weights, then [GQ] sums (the rows are free now)
+  float* lsum = wsp + GQ * num_splits;
+  const long row0 = ((long)seq * num_kv_heads + h) * GQ * num_splits;  // (head 0, split 0) of this KV head
+  for (int i = threadIdx.x; i < GQ * num_splits; i += WARPS * 32) wsp[i] = __ldcg(part_ml + (row0 + i) * 2);
+  __syncthreads();
+  if (threadIdx.x < GQ) {
+    float* w = wsp + threadIdx.x * num_splits;
+    float M = NEG_INF;
+    for (int s = 0; s < num_splits; ++s) M = fmaxf(M, w[s]);
+    float L = 0.f;
+    for (int s = 0; s < num_splits; ++s) {
+      const float l = __ldcg(part_ml + (row0 + threadIdx.x * num_splits + s) * 2 + 1);
+      w[s] = (M == NEG_INF || l == 0.f) ? 0.f : ex2(w[s] - M) * l;
+      L += w[s];
+    }
+    lsum[threadIdx.x] = L;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < GQ * D; i += WARPS * 32) {
+    const int hh = i / D, d = i % D;
+    const float* w = wsp + hh * num_splits;
+    const float* po = part_o + (row0 + hh * num_splits) * D + d;
+    float O = 0.f;
+#pragma unroll 4
+    for (int s = 0; s < num_splits; ++s) O += w[s] * __ldcg(po + (long)s * D);
+    const float L = lsum[hh];
+    out[(long)seq * stride_o0 + (long)(h * GQ + hh) * stride_o1 + d] = u16(pack_bf16(L > 0.f ? O / L : 0.f, 0.f) & 0xFFFFu);
+  }
+  if (threadIdx.x == 0) counters[seq * num_kv_heads + h] = 0;  // ready for the next launch (and graph replay)
+#endif
 }
 
-// Splits of one (sequence, query head) combined in a fixed order. Grid (sequences, query heads), D threads.
+// Splits of one (sequence, query head) combined in a fixed order, as a second launch (FUSED_MERGE 0).
+// Grid (sequences, query heads), D threads.
 extern "C" __global__ void kv_merge(u16* __restrict__ out, const float* __restrict__ part_o,
                                     const float* __restrict__ part_ml, int stride_o0, int stride_o1, int num_q_heads,
                                     int num_splits) {
@@ -646,6 +783,17 @@ __device__ void write_run(WSmem& sm, u8* __restrict__ cache, const u16* __restri
   u8* tp = cache + ((gtile / TPP) * num_kv_heads + h) * (long)PAGE_BYTES + (gtile % TPP) * TILE_BYTES;
   const bool whole = t0 == 0 && n == 16;
 
+  // the run's K/V rows, 8 channels (16 bytes) a thread and item; each item's load is issued one item ahead (the
+  // first before the set-up), keeping the registers few enough for many blocks a multiprocessor
+  const int items = 2 * n * (D / 8);
+  auto load_item = [&](int i) -> uint4 {
+    const int kind = i / (n * (D / 8)), t = t0 + (i / (D / 8)) % n, d0 = 8 * (i % (D / 8));
+    const u16* src = kind ? value + (long)(i0 + t - t0) * v_stride0 + (long)h * v_stride1
+                          : key + (long)(i0 + t - t0) * k_stride0 + (long)h * k_stride1;
+    return *reinterpret_cast<const uint4*>(src + d0);
+  };
+  uint4 next = tid < items ? load_item(tid) : make_uint4(0, 0, 0, 0);
+
   // the planes: a run that does not cover the whole tile keeps the other tokens' bytes and bits
   if (!whole) {
     for (int i = tid; i < 2 * LP / 16; i += WTHREADS)
@@ -668,12 +816,12 @@ __device__ void write_run(WSmem& sm, u8* __restrict__ cache, const u16* __restri
     }
     __syncthreads();
   }
-  // encode the run's values, 8 channels (16 bytes of bf16) a thread at a time
-  for (int i = tid; i < 2 * n * (D / 8); i += WTHREADS) {
+  // encode the run's values, 8 channels a thread and item
+#pragma unroll 1
+  for (int i = tid; i < items; i += WTHREADS) {
+    const uint4 raw = next;
+    if (i + WTHREADS < items) next = load_item(i + WTHREADS);
     const int kind = i / (n * (D / 8)), t = t0 + (i / (D / 8)) % n, d0 = 8 * (i % (D / 8));
-    const u16* src = kind ? value + (long)(i0 + t - t0) * v_stride0 + (long)h * v_stride1
-                          : key + (long)(i0 + t - t0) * k_stride0 + (long)h * k_stride1;
-    const uint4 raw = *reinterpret_cast<const uint4*>(src + d0);
     const u32 words[4] = {raw.x, raw.y, raw.z, raw.w};
     const uint2 tw = *reinterpret_cast<const uint2*>(tops + (kind * num_kv_heads + h) * D + d0);
     const u32 topw[2] = {tw.x, tw.y};
@@ -782,7 +930,7 @@ __device__ void write_run(WSmem& sm, u8* __restrict__ cache, const u16* __restri
   __syncthreads();  // the shared planes are the next run's
 }
 
-extern "C" __global__ void __launch_bounds__(WTHREADS) kv_write(
+extern "C" __global__ void __launch_bounds__(WTHREADS, WMIN_BLOCKS) kv_write(
     u8* __restrict__ cache, const u16* __restrict__ key, const u16* __restrict__ value,
     const long long* __restrict__ slots, const u8* __restrict__ tops, const int* __restrict__ ovf_ptr,
     u16* __restrict__ arena, int* __restrict__ need, int num_tokens, int num_kv_heads, int k_stride0, int k_stride1,

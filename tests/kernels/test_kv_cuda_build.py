@@ -14,11 +14,16 @@ CONFIGS = [  # (head size, query heads a KV head, reserve, tiles a page): the de
     (64, 3, 36, 1), (128, 8, 68, 2)]
 
 
-@pytest.mark.parametrize("arch,code_bits", [("sm_80", 3), ("sm_90", 3), ("sm_90", 4)])
+@pytest.mark.parametrize("arch,code_bits,pipeline", [("sm_80", 3, "ring"), ("sm_90", 3, "ring"), ("sm_90", 4, "ring"),
+                                                    ("sm_90", 4, "registers")])
 @pytest.mark.parametrize("d,g,reserve,tiles", CONFIGS)
-def test_kv_kernels_compile_without_spills(arch: str, code_bits: int, d: int, g: int, reserve: int, tiles: int
-                                           ) -> None:
-    defines = {"HEAD": d, "CODE_BITS": code_bits, "GQ": g, "RESERVE": reserve, "TPP": tiles, "WARPS": 4}
+def test_kv_kernels_compile_without_spills(arch: str, code_bits: int, pipeline: str, d: int, g: int, reserve: int,
+                                           tiles: int) -> None:
+    from glyd_engine.format.kv_page import KVPageLayout
+    from kernels import kv_cuda
+
+    shipped = kv_cuda.defines(KVPageLayout(d, 16 * tiles, reserve, code_bits), g)  # what a user's first start builds
+    defines = shipped if pipeline == "ring" else {**shipped, "RING": 0, "MIN_BLOCKS": 2}
     cubin, log = nvrtc.compile_cubin("kv_pages.cu", arch, defines, log_ptxas=True)
     assert cubin[:4] == b"\x7fELF"
     for kernel in ("kv_decode_attention", "kv_merge", "kv_read_tiles", "kv_write"):
