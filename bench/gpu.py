@@ -9,9 +9,10 @@ In one run, for each page code (3- and 4-bit): the page pool written by the CUDA
 throughput on a 32k-token prefill run and on single decode tokens), tiles read back bit for bit against the bf16
 source (overflow tiles included), attention against fp32 (NaN-poisoned outputs, the same bits twice); then decode
 attention for batch x context of (a) ours on compressed pages of each code, (b) vLLM 0.33's Triton unified attention
-on bf16 pages (carried under .baseline/, see /work/shared/tools/vllm-triton-baseline), (c) torch SDPA on contiguous
-bf16, each timed from CUDA-graph replays (median; inputs rotated where a case would sit in L2), side by side.
-Prints a table; writes gpu_bench.json under --out.
+on bf16 pages (vLLM's Triton unified attention kernel, laid out under .baseline/, git-ignored), (c) torch SDPA on
+contiguous bf16, each timed from CUDA-graph replays (median; inputs rotated where a case would sit in L2), side by
+side. `--variants` also times other builds of our kernel (compile-time constants), `--splits` our kernel with the
+context split forced. Prints a table; writes gpu_bench.json under --out.
 
 Run (device):  PYTHONUNBUFFERED=1 python3 bench/gpu.py --out $OUT
 """
@@ -25,6 +26,8 @@ import math
 import sys
 import time
 import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,6 +42,7 @@ from kernels import kv_cuda  # noqa: E402
 HQ, H, D, B = 32, 8, 128, 16
 SAMPLES = ROOT / "bench" / "kv_samples" / "smollm2_kv.safetensors"
 MAX_BITS = 11.3  # the page code's budget at D = 128, everything included
+SCALE = D ** -0.5
 LOG: dict[str, object] = {}
 
 
@@ -78,7 +82,7 @@ class Source:
         return kp.best_windows(torch.stack(counts), code_bits)  # [2, H, D]
 
 
-def bench_fn(fn) -> float:  # noqa: ANN001
+def bench_fn(fn: Callable[[], object]) -> float:
     """Median ms of fn replayed from a CUDA graph."""
     import triton.testing as tt
 
@@ -183,34 +187,47 @@ def read_back(code: Code, k_pool: torch.Tensor, v_pool: torch.Tensor, gen: torch
             "values_differing": bad}
 
 
-def main() -> None:  # noqa: C901, PLR0915
-    ap = argparse.ArgumentParser()
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description="Decode attention and page writes of the KV page code's CUDA kernels "
+                                 "against vLLM's Triton kernel and SDPA (needs a GPU)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--batches", default="1,8,32,64,128")
     ap.add_argument("--contexts", default="1024,8192,32768")
     ap.add_argument("--codes", default="3,4", help="page codes to time (bits)")
     ap.add_argument("--variants", default="", help="extra builds timed per row, e.g. MIN_BLOCKS=3;WARPS=8")
-    args = ap.parse_args()
-    out = args.out
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-    dev = "cuda"
-    batches = [int(x) for x in args.batches.split(",")]
-    contexts = [int(x) for x in args.contexts.split(",")]
-    log("date", datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), out)
-    log("device", torch.cuda.get_device_name(), out)
-    log("torch", torch.__version__, out)
-    copy_tbs = copy_bandwidth(dev)
-    log("copy_TBps", copy_tbs, out)
-    print(f"{torch.cuda.get_device_name()}: copy {copy_tbs:.2f} TB/s", flush=True)
+    ap.add_argument("--splits", default="", help="also time our kernel with the context split forced to each of "
+                    "these counts, e.g. 1,2,3 (columns sN: ratio to vLLM)")
+    args = ap.parse_args(argv)
+    args.batches = [int(x) for x in args.batches.split(",")]
+    args.contexts = [int(x) for x in args.contexts.split(",")]
+    args.codes = [int(x) for x in args.codes.split(",")]
+    args.variants = [tuple((k, int(v)) for k, v in (kv.split("=") for kv in part.split(",")))
+                     for part in args.variants.split(";") if part]
+    args.splits = [int(x) for x in args.splits.split(",") if x]
+    if any(n < 1 for n in args.splits):
+        ap.error("--splits takes counts of 1 or more")
+    return args
 
-    # --- the pools: the same bf16 tokens in vLLM's layout and in each code's pages ------------------------------
-    src = Source(15, dev)
-    max_tokens = max(batches) * max(contexts)
+
+# --- the pools: the same bf16 tokens in vLLM's layout and in each code's pages ---------------------------------------
+@dataclass
+class Pools:
+    k: torch.Tensor  # [blocks, B, H, D] bf16: vLLM's layout
+    v: torch.Tensor
+    codes: dict[int, Code]  # bits -> the same tokens in that code's pages
+    tokens: int
+
+    @property
+    def nblocks(self) -> int:
+        return self.k.shape[0]
+
+
+def fill_pools(src: Source, code_bits: list[int], max_tokens: int, dev: str) -> Pools:
+    """Every code's pages written by the CUDA writer from the same tokens as the bf16 pool, 32k tokens a call."""
     nblocks = max_tokens // B
     k_pool = torch.empty(nblocks, B, H, D, dtype=torch.bfloat16, device=dev)
     v_pool = torch.empty_like(k_pool)
-    codes = {cb: Code(cb, src, nblocks, dev) for cb in (int(x) for x in args.codes.split(","))}
+    codes = {cb: Code(cb, src, nblocks, dev) for cb in code_bits}
     chunk = 32768
     for start in range(0, max_tokens, chunk):
         k, v = src.draw(chunk)
@@ -220,135 +237,166 @@ def main() -> None:  # noqa: C901, PLR0915
         for code in codes.values():
             code.write(k, v, slots)
     torch.cuda.synchronize()
-    gen = torch.Generator().manual_seed(3)
-    for cb, code in codes.items():
-        info = {**code.info, **code.pool_info(max_tokens)}
+    return Pools(k_pool, v_pool, codes, max_tokens)
+
+
+def check_codes(pools: Pools, src: Source, gen: torch.Generator, dev: str, out: Path | None) -> None:
+    """Each code's layout and pool figures, its write throughput and its tiles read back bit for bit (logged)."""
+    for cb, code in pools.codes.items():
+        info = {**code.info, **code.pool_info(pools.tokens)}
         for name, fn in (("writes", lambda c=code: write_throughput(c, src, dev)),
-                         ("read_back", lambda c=code: read_back(c, k_pool, v_pool, gen))):
+                         ("read_back", lambda c=code: read_back(c, pools.k, pools.v, gen))):
             try:
                 info[name] = fn()
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 info[name] = {"error": repr(exc)[:300]}
                 traceback.print_exc()
         log(f"code{cb}", info, out)
         print(f"code{cb}", json.dumps(info), flush=True)
 
-    try:
-        from vllm.v1.attention.ops.triton_unified_attention import unified_attention
-    except Exception as exc:  # noqa: BLE001
-        unified_attention = None
-        print("vLLM baseline unavailable:", exc)
-        log("vllm_error", repr(exc), out)
-    scale = D ** -0.5
 
-    def make_case(S: int, L: int, first_block: int):  # noqa: ANN202
-        nbs = (L + B - 1) // B
-        bt = (first_block + torch.randperm(S * nbs, generator=gen).view(S, nbs)).to(torch.int32).to(dev)
-        lens = torch.full((S,), L, dtype=torch.int32, device=dev)
-        q = torch.randn(S, HQ, D, generator=gen).to(torch.bfloat16).to(dev)
-        return bt, lens, q
+# --- the kernels timed --------------------------------------------------------------------------------------------
+class Baseline:
+    """vLLM's Triton unified attention on the bf16 pool (from .baseline/), with its backend's settings: the split
+    path under 16 sequences, 16 segments. `available` is False where it does not import (the error is logged)."""
 
-    def ours(code, q, bt, lens, L, o, variant=()):  # noqa: ANN001, ANN202
-        return lambda: kv_cuda.decode_attention(q, code.cache, code.lay, code.tops, bt, lens, L, scale, code.ovf,
-                                                out=o, variant=variant)
+    def __init__(self, pools: Pools, dev: str, out: Path | None) -> None:
+        self.pools, self.dev = pools, dev
+        try:
+            from vllm.v1.attention.ops.triton_unified_attention import unified_attention
+        except Exception as exc:
+            unified_attention = None
+            print("vLLM baseline unavailable:", exc)
+            log("vllm_error", repr(exc), out)
+        self.kernel = unified_attention
 
-    variants = [tuple((k, int(v)) for k, v in (kv.split("=") for kv in part.split(",")))
-                for part in args.variants.split(";") if part]
+    @property
+    def available(self) -> bool:
+        return self.kernel is not None
 
-    def scratch_for(S: int):  # noqa: ANN202
-        return (torch.empty(S, HQ, 16, D, dtype=torch.float32, device=dev),
-                torch.empty(S, HQ, 16, dtype=torch.float32, device=dev),
-                torch.empty(S, HQ, 16, dtype=torch.float32, device=dev))
+    def scratch(self, S: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return (torch.empty(S, HQ, 16, D, dtype=torch.float32, device=self.dev),
+                torch.empty(S, HQ, 16, dtype=torch.float32, device=self.dev),
+                torch.empty(S, HQ, 16, dtype=torch.float32, device=self.dev))
 
-    def vllm_fn(q, bt, lens, L, o, sc):  # noqa: ANN001, ANN202
-        cu = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=dev)
-        return lambda: unified_attention(q, k_pool, v_pool, o, cu, 1, lens, L, scale, True, (-1, -1), bt, 0, None,
-                                         None, None, seq_threshold_3D=128 // H, num_par_softmax_segments=16,
-                                         softmax_segm_output=sc[0], softmax_segm_max=sc[1], softmax_segm_expsum=sc[2])
+    def fn(self, q: torch.Tensor, bt: torch.Tensor, lens: torch.Tensor, L: int, o: torch.Tensor,
+           sc: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> Callable[[], object]:
+        cu = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=self.dev)
+        k_pool, v_pool, ua = self.pools.k, self.pools.v, self.kernel
+        return lambda: ua(q, k_pool, v_pool, o, cu, 1, lens, L, SCALE, True, (-1, -1), bt, 0, None, None, None,
+                          seq_threshold_3D=128 // H, num_par_softmax_segments=16, softmax_segm_output=sc[0],
+                          softmax_segm_max=sc[1], softmax_segm_expsum=sc[2])
 
-    def ref_fp32(q, bt, L):  # noqa: ANN001, ANN202
-        S = q.shape[0]
-        k = k_pool[bt.long()].reshape(S, -1, H, D)[:, :L].float().repeat_interleave(HQ // H, dim=2)
-        v = v_pool[bt.long()].reshape(S, -1, H, D)[:, :L].float().repeat_interleave(HQ // H, dim=2)
-        s = torch.einsum("shd,slhd->shl", q.float(), k) * scale
-        return torch.einsum("shl,slhd->shd", torch.softmax(s, -1), v)
 
-    # --- accuracy: against fp32, NaN-poisoned outputs, the same bits twice ------------------------------------------
+def ours(code: Code, q: torch.Tensor, bt: torch.Tensor, lens: torch.Tensor, L: int, o: torch.Tensor,
+         variant: tuple[tuple[str, int], ...] = (), num_splits: int | None = None) -> Callable[[], object]:
+    """Our decode attention on the code's pages (num_splits None: the launcher's own choice)."""
+    return lambda: kv_cuda.decode_attention(q, code.cache, code.lay, code.tops, bt, lens, L, SCALE, code.ovf, out=o,
+                                            num_splits=num_splits, variant=variant)
+
+
+def make_case(S: int, L: int, first_block: int, gen: torch.Generator, dev: str
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """S sequences of L tokens on random blocks from first_block on: (block table, lengths, queries)."""
+    nbs = (L + B - 1) // B
+    bt = (first_block + torch.randperm(S * nbs, generator=gen).view(S, nbs)).to(torch.int32).to(dev)
+    lens = torch.full((S,), L, dtype=torch.int32, device=dev)
+    q = torch.randn(S, HQ, D, generator=gen).to(torch.bfloat16).to(dev)
+    return bt, lens, q
+
+
+def ref_fp32(pools: Pools, q: torch.Tensor, bt: torch.Tensor, L: int) -> torch.Tensor:
+    S = q.shape[0]
+    k = pools.k[bt.long()].reshape(S, -1, H, D)[:, :L].float().repeat_interleave(HQ // H, dim=2)
+    v = pools.v[bt.long()].reshape(S, -1, H, D)[:, :L].float().repeat_interleave(HQ // H, dim=2)
+    s = torch.einsum("shd,slhd->shl", q.float(), k) * SCALE
+    return torch.einsum("shl,slhd->shd", torch.softmax(s, -1), v)
+
+
+# --- accuracy: against fp32, NaN-poisoned outputs, the same bits twice ----------------------------------------------
+def accuracy(pools: Pools, base: Baseline, gen: torch.Generator, dev: str) -> list[dict[str, object]]:
     acc = []
     for S, L in ((8, 1024), (2, 32768), (64, 2000), (3, 37)):
         row: dict[str, object] = {"batch": S, "context": L}
         try:
-            bt, lens, q = make_case(S, L, 0)
-            ref = ref_fp32(q, bt, L)
-            for cb, code in codes.items():
+            bt, lens, q = make_case(S, L, 0, gen, dev)
+            ref = ref_fp32(pools, q, bt, L)
+            for cb, code in pools.codes.items():
                 o1, o2 = torch.full_like(q, float("nan")), torch.full_like(q, float("nan"))
                 ours(code, q, bt, lens, L, o1)()
                 ours(code, q, bt, lens, L, o2)()
                 row[f"code{cb}_rel_err"] = float((o1.float() - ref).norm() / ref.norm())
                 row[f"code{cb}_nan"] = bool(torch.isnan(o1).any())
                 row[f"code{cb}_same_bits_twice"] = bool(torch.equal(o1.view(torch.int16), o2.view(torch.int16)))
-            if unified_attention is not None:
+            if base.available:
                 o3 = torch.empty_like(q)
-                vllm_fn(q, bt, lens, L, o3, scratch_for(S))()
+                base.fn(q, bt, lens, L, o3, base.scratch(S))()
                 row["vllm_rel_err"] = float((o3.float() - ref).norm() / ref.norm())
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             row["error"] = repr(exc)[:300]
             traceback.print_exc()
         acc.append(row)
-    log("attention_accuracy", acc, out)
-    print("accuracy", json.dumps(acc), flush=True)
+    return acc
 
-    # --- decode attention grid ---------------------------------------------------------------------------------------
+
+# --- decode attention grid ------------------------------------------------------------------------------------------
+def time_row(S: int, L: int, pools: Pools, base: Baseline, gen: torch.Generator, dev: str,
+             variants: list[tuple[tuple[str, int], ...]], splits: list[int]) -> dict[str, object]:
+    """One batch x context: ours (each code, each variant build, each forced split count), vLLM's kernel, SDPA."""
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    rows = []
-    for S in batches:
-        for L in contexts:
-            row = {"batch": S, "context": L}
-            try:
-                nbs = (L + B - 1) // B
-                bf_bytes = S * L * H * D * 4
-                rot = max(1, min(16, math.ceil(4 * l2 / (0.7 * bf_bytes))))
-                cases, first = [], 0
-                for _ in range(rot):
-                    cases.append(make_case(S, L, first))
-                    first = first + S * nbs if first + 2 * S * nbs <= nblocks else 0
-                outs = [torch.empty_like(c[2]) for c in cases]
-                row["splits"] = kv_cuda.num_splits_for(S, H, L)
-                for cb, code in codes.items():
-                    for var in [(), *variants]:
-                        fns = [ours(code, q, bt, lens, L, o, var) for (bt, lens, q), o in zip(cases, outs, strict=True)]
-                        name = f"code{cb}" + "".join(f",{k}={v}" for k, v in var)
-                        row[f"{name}_ms"] = bench_fn(lambda fns=fns: [f() for f in fns]) / rot
-                    row[f"code{cb}_TBps"] = S * nbs * H * code.lay.page_bytes / row[f"code{cb}_ms"] / 1e9
-                if unified_attention is not None:
-                    sc = scratch_for(S)
-                    vf = [vllm_fn(q, bt, lens, L, o, sc) for (bt, lens, q), o in zip(cases, outs, strict=True)]
-                    row["vllm_ms"] = bench_fn(lambda vf=vf: [f() for f in vf]) / rot
-                srot = rot if bf_bytes * rot < 8e9 else 1
-                sd = []
-                for bt, _lens, q in cases[:srot]:
-                    kc = k_pool[bt.long()].reshape(S, -1, H, D)[:, :L].transpose(1, 2).contiguous()
-                    vc = v_pool[bt.long()].reshape(S, -1, H, D)[:, :L].transpose(1, 2).contiguous()
-                    sd.append((q.view(S, HQ, 1, D), kc, vc))
+    row: dict[str, object] = {"batch": S, "context": L}
+    try:
+        nbs = (L + B - 1) // B
+        bf_bytes = S * L * H * D * 4
+        rot = max(1, min(16, math.ceil(4 * l2 / (0.7 * bf_bytes))))
+        cases, first = [], 0
+        for _ in range(rot):
+            cases.append(make_case(S, L, first, gen, dev))
+            first = first + S * nbs if first + 2 * S * nbs <= pools.nblocks else 0
+        outs = [torch.empty_like(c[2]) for c in cases]
+        row["splits"] = kv_cuda.num_splits_for(S, H, L)
+        for cb, code in pools.codes.items():
+            for var in [(), *variants]:
+                fns = [ours(code, q, bt, lens, L, o, var) for (bt, lens, q), o in zip(cases, outs, strict=True)]
+                name = f"code{cb}" + "".join(f",{k}={v}" for k, v in var)
+                row[f"{name}_ms"] = bench_fn(lambda fns=fns: [f() for f in fns]) / rot
+            row[f"code{cb}_TBps"] = S * nbs * H * code.lay.page_bytes / row[f"code{cb}_ms"] / 1e9
+            for n in splits:
+                fns = [ours(code, q, bt, lens, L, o, num_splits=n)
+                       for (bt, lens, q), o in zip(cases, outs, strict=True)]
+                row[f"code{cb}_s{n}_ms"] = bench_fn(lambda fns=fns: [f() for f in fns]) / rot
+        if base.available:
+            sc = base.scratch(S)
+            vf = [base.fn(q, bt, lens, L, o, sc) for (bt, lens, q), o in zip(cases, outs, strict=True)]
+            row["vllm_ms"] = bench_fn(lambda vf=vf: [f() for f in vf]) / rot
+        srot = rot if bf_bytes * rot < 8e9 else 1
+        sd = []
+        for bt, _lens, q in cases[:srot]:
+            kc = pools.k[bt.long()].reshape(S, -1, H, D)[:, :L].transpose(1, 2).contiguous()
+            vc = pools.v[bt.long()].reshape(S, -1, H, D)[:, :L].transpose(1, 2).contiguous()
+            sd.append((q.view(S, HQ, 1, D), kc, vc))
 
-                def sdpa(sd=sd):  # noqa: ANN001, ANN202
-                    for qq, kc, vc in sd:
-                        torch.nn.functional.scaled_dot_product_attention(qq, kc, vc, scale=scale, enable_gqa=True)
-                row["sdpa_ms"] = bench_fn(sdpa) / len(sd)
-                del sd
-            except Exception as exc:  # noqa: BLE001
-                row["error"] = repr(exc)[:300]
-                traceback.print_exc()
-            torch.cuda.empty_cache()
-            rows.append(row)
-            print("row", {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
-            log("rows", rows, out)
+        def sdpa(sd: list[tuple[torch.Tensor, ...]] = sd) -> None:
+            for qq, kc, vc in sd:
+                torch.nn.functional.scaled_dot_product_attention(qq, kc, vc, scale=SCALE, enable_gqa=True)
+        row["sdpa_ms"] = bench_fn(sdpa) / len(sd)
+        del sd
+    except Exception as exc:
+        row["error"] = repr(exc)[:300]
+        traceback.print_exc()
+    torch.cuda.empty_cache()
+    return row
 
-    cbs = list(codes)
+
+def print_table(rows: list[dict[str, object]], cbs: list[int], copy_tbs: float, splits: list[int]) -> None:
+    """The Markdown table: ms, ratios (baseline time / ours: > 1 is Glyd faster), share of copy bandwidth, and with
+    --splits each code's forced split counts as ratios to vLLM."""
+    sp = [(cb, n) for cb in cbs for n in splits]
     print("\n| batch | ctx | " + " | ".join(f"{cb}-bit ms" for cb in cbs) + " | vLLM ms | SDPA ms | "
           + " | ".join(f"{cb}-bit vs vLLM" for cb in cbs) + " | " + " | ".join(f"{cb}-bit vs SDPA" for cb in cbs)
-          + " | " + " | ".join(f"{cb}-bit of copy" for cb in cbs) + " |")
-    print("|---" * (4 + 4 * len(cbs)) + "|")
+          + " | " + " | ".join(f"{cb}-bit of copy" for cb in cbs) + " |"
+          + "".join(f" {cb}-bit s{n} vs vLLM |" for cb, n in sp))
+    print("|---" * (4 + 4 * len(cbs) + len(sp)) + "|")
     for r in rows:
         if "error" in r:
             print(f"| {r['batch']} | {r['context']} | error |")
@@ -357,8 +405,44 @@ def main() -> None:  # noqa: C901, PLR0915
         vs = [f"{r['vllm_ms'] / r[f'code{cb}_ms']:.2f}x" if "vllm_ms" in r else "-" for cb in cbs]
         sd = [f"{r['sdpa_ms'] / r[f'code{cb}_ms']:.2f}x" for cb in cbs]
         fr = [f"{r[f'code{cb}_TBps'] / copy_tbs:.0%}" for cb in cbs]
+        sv = [f"{r['vllm_ms'] / r[f'code{cb}_s{n}_ms']:.2f}x" if "vllm_ms" in r else "-" for cb, n in sp]
         print(f"| {r['batch']} | {r['context']} | {' | '.join(ms)} | {r.get('vllm_ms', float('nan')):.3f} | "
-              f"{r['sdpa_ms']:.3f} | {' | '.join(vs)} | {' | '.join(sd)} | {' | '.join(fr)} |")
+              f"{r['sdpa_ms']:.3f} | {' | '.join(vs)} | {' | '.join(sd)} | {' | '.join(fr)} |"
+              + "".join(f" {x} |" for x in sv))
+
+
+def main() -> None:
+    args = parse_args()
+    out = args.out
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+    dev = "cuda"
+    log("date", datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), out)
+    log("device", torch.cuda.get_device_name(), out)
+    log("torch", torch.__version__, out)
+    copy_tbs = copy_bandwidth(dev)
+    log("copy_TBps", copy_tbs, out)
+    print(f"{torch.cuda.get_device_name()}: copy {copy_tbs:.2f} TB/s", flush=True)
+
+    src = Source(15, dev)
+    pools = fill_pools(src, args.codes, max(args.batches) * max(args.contexts), dev)
+    gen = torch.Generator().manual_seed(3)  # one stream, in this order: read-back tiles, accuracy cases, grid cases
+    check_codes(pools, src, gen, dev, out)
+    base = Baseline(pools, dev, out)
+
+    acc = accuracy(pools, base, gen, dev)
+    log("attention_accuracy", acc, out)
+    print("accuracy", json.dumps(acc), flush=True)
+
+    rows = []
+    for S in args.batches:
+        for L in args.contexts:
+            row = time_row(S, L, pools, base, gen, dev, args.variants, args.splits)
+            rows.append(row)
+            print("row", {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+            log("rows", rows, out)
+
+    print_table(rows, list(pools.codes), copy_tbs, args.splits)
 
 
 if __name__ == "__main__":

@@ -32,9 +32,9 @@ from kernels import resident_linear as rl  # noqa: E402
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 24576), "down": (12288, 4096)}  # K -> N
 ROWS = (1, 8, 16, 64)
 PREFILL_ROWS = 512
-SWEEP = {"block_n": (32, 64), "block_kh": (64,), "num_stages": (3,), "splits": (4, 8)}  # around run 6's best
+SWEEP = {"block_n": (32, 64), "block_kh": (64,), "num_stages": (3,), "splits": (4, 8)}  # around the defaults
 TC_EXTRA: tuple[dict, ...] = ()
-# the one-row kernel around runs 11-14's best; {} = the defaults (gemv_config), the row the table reports
+# the one-row kernel's tiles around its defaults; {} = the defaults (gemv_config), the row the table reports
 GEMV_SWEEP = {"gemv": (True,), "block_n": (8, 16, 32), "block_kh": (128,), "splits": (1, 2), "num_warps": (2, 4, 8)}
 GEMV_ONE = {"gemv": (True,), "block_n": (8, 16), "block_kh": (256,), "splits": (1,), "num_warps": (4, 8)}
 ROTATE_BYTES = 320 << 20  # more than twice the H200's L2

@@ -1,8 +1,8 @@
 """The memory numbers the engine reports: weights and KV cache, each against what bf16 would take.
 
-Kept apart from the vLLM backend so the figures are computed one way for every engine, and so the
-KV mode can later come from Glyd's vLLM plugin (issue 3) without the app changing: `kv_report` asks
-`glyd_engine.vllm_plugin.kv_status` when that exists and otherwise reports vLLM's own cache.
+Kept apart from the vLLM backend so the figures are computed one way for every engine: `kv_report` asks
+Glyd's vLLM plugin (`glyd_engine.vllm_plugin.kv_status`) for the KV mode when it imports and otherwise
+reports vLLM's own cache.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ QKV_SHARDS = {"q": 0, "k": 1, "v": 2}
 BUFFERS = ("glyd_sm", "glyd_offs", "glyd_esc_pos", "glyd_esc_bits")
 
 
-# -- the matmul: one op, plain torch decode + vLLM's GEMM here, the fused kernel on CUDA later ------------
+# -- the matmul: one op, plain torch decode + vLLM's GEMM on the CPU, the fused Triton kernel on CUDA -----
 class _GemmHolder(torch.nn.Module):
     """What vLLM's CPU GEMM dispatch reads (`weight`, `bias`) and writes (`cpu_linear`)."""
 

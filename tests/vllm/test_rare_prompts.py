@@ -1,4 +1,4 @@
-"""Rare prompts (issue 3), CI-sized: prompts made of the demo model's least-trained tokens
+"""Rare prompts, CI-sized: prompts made of the demo model's least-trained tokens
 (glyd_engine.bench.rare_tokens) served at once with ordinary ones by the real engine, lossless, with the
 read-back check on (every value a forward reads is compared bit for bit with a bf16 shadow of what was written).
 The full-size run (40 x ~1,400 + 8 ordinary, off against lossless) is `glyd bench rare`; docs/benchmarks.md.
