@@ -23,7 +23,6 @@ SMS = 132  # multiprocessors of an H200, where the device does not say
 MAX_SPLITS = 64
 SPLIT_COST_TILES = 6  # a split's fixed cost (set-up, partial results, merge) in tiles a warp, fitted on the H200
 KERNELS = ("kv_decode_attention", "kv_merge", "kv_read_tiles", "kv_write", "kv_sizes")
-COUNTERS_MIN = 1 << 16  # split counters held a device: (sequence, KV head) pairs of one launch
 
 
 def defines(layout: KVPageLayout, group: int, variant: tuple[tuple[str, int], ...] = ()) -> dict[str, int]:
@@ -98,21 +97,6 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def split_counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 counters, one a (sequence, KV head), kept a device: each launch leaves them at zero again.
-
-    Held across calls (and CUDA-graph replays) so a launch needs no memset; launches on one device must not run
-    concurrently on two streams (vLLM's forward runs on one)."""
-    c = _counters.get(device)
-    if c is None or c.numel() < n:
-        c = torch.zeros(max(n, COUNTERS_MIN), dtype=torch.int32, device=device)
-        _counters[device] = c
-    return c
-
-
 def decode_attention(query: torch.Tensor, cache: torch.Tensor, layout: KVPageLayout, tops: torch.Tensor,
                      block_table: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int, scale: float,
                      overflow: OverflowStore | None = None, out: torch.Tensor | None = None,
@@ -127,6 +111,7 @@ def decode_attention(query: torch.Tensor, cache: torch.Tensor, layout: KVPageLay
     s, hq, d = query.shape
     if hq % h or d != layout.head_size or query.dtype != torch.bfloat16 or query.stride(2) != 1:
         raise ValueError("query must be bf16 [S, a multiple of the KV heads, head size] with contiguous head dims")
+    query = _aligned(query)  # the kernel reads Q rows as 16-byte vectors
     ks, smem, _ = kernels(layout, hq // h, cache.device, variant)
     build = defines(layout, hq // h, variant)
     warps = build["WARPS"]
@@ -147,13 +132,12 @@ def decode_attention(query: torch.Tensor, cache: torch.Tensor, layout: KVPageLay
     ptr, arena = _overflow_args(overflow, cache.device)
     bt = block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)
     sl = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.to(torch.int32)
-    counters = split_counters(cache.device, s * h)
     ks["kv_decode_attention"](
         (splits, h, s), (warps * 32,),
-        [query, out, part_o, part_ml, counters, cache, tops, ptr, arena, bt, sl, float(scale * 1.4426950408889634),
+        [query, out, part_o, part_ml, cache, tops, ptr, arena, bt, sl, float(scale * 1.4426950408889634),
          query.stride(0), query.stride(1), out.stride(0), out.stride(1), bt.stride(0), h, tiles_per_split, splits],
         smem=smem)
-    if splits > 1 and not build.get("FUSED_MERGE", 1):
+    if splits > 1:
         ks["kv_merge"]((s, hq), (d,), [out, part_o, part_ml, out.stride(0), out.stride(1), hq, splits])
     return out
 
@@ -175,7 +159,7 @@ def read_tiles(cache: torch.Tensor, layout: KVPageLayout, tops: torch.Tensor, ti
 
 
 def _aligned(x: torch.Tensor) -> torch.Tensor:
-    """The writer reads a token's head row as 16-byte vectors: rows must start 16-byte aligned."""
+    """The kernels read a token's head row as 16-byte vectors: rows must start 16-byte aligned."""
     if x.data_ptr() % 16 or x.stride(0) % 8 or x.stride(1) % 8:
         return x.clone(memory_format=torch.contiguous_format)
     return x
@@ -223,4 +207,4 @@ def launch_write(cache: torch.Tensor, layout: KVPageLayout, tops: torch.Tensor, 
         value.stride(1), int(only_needy)], smem=smem)
 
 
-__all__ = ["decode_attention", "launch_write", "num_splits_for", "read_tiles", "split_counters", "write"]
+__all__ = ["decode_attention", "launch_write", "num_splits_for", "read_tiles", "write"]

@@ -46,9 +46,6 @@ typedef unsigned long long u64;
 #ifndef RING
 #define RING 2  // decode's tile pipeline: N >= 2, an N-slot cp.async ring a warp in shared memory; 0, two register buffers
 #endif
-#ifndef FUSED_MERGE
-#define FUSED_MERGE 1  // the last split block combines the splits (0: a second launch, kv_merge)
-#endif
 #ifndef WMIN_BLOCKS
 #define WMIN_BLOCKS 8  // page-writer blocks a multiprocessor: sets its register budget
 #endif
@@ -248,9 +245,7 @@ __device__ __forceinline__ void accumulate(float* row, int key, const float (&ad
 // ================================================================================================================
 // Decode attention: one query token a sequence. Grid (splits, KV heads, sequences); WARPS warps a block, each
 // taking every WARPS-th tile of the block's share of the sequence, with its own online softmax; the block then
-// combines its warps. With several splits each block leaves its partial result in `part_o`/`part_ml`, and the last
-// block of a (sequence, KV head) to finish (a counter in `counters`, which it sets back to 0) combines the splits in
-// a fixed order: no second launch, the same bits whichever block is last.
+// combines its warps, and with several splits `kv_merge` combines the splits in a fixed order.
 // ================================================================================================================
 struct Smem {
 #if RING
@@ -263,14 +258,13 @@ struct Smem {
   float pst[WARPS][8][16];
   float ocorr[WARPS][8][D];
   float wm[WARPS][8], wl[WARPS][8];
-  int last;  // this block combines the splits
 };
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) kv_decode_attention(
     const u16* __restrict__ query, u16* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml,
-    int* __restrict__ counters, const u8* __restrict__ cache, const u8* __restrict__ tops,
-    const int* __restrict__ ovf_ptr, const u16* __restrict__ arena, const int* __restrict__ block_table,
-    const int* __restrict__ seq_lens, float scale_log2, int stride_q0, int stride_q1, int stride_o0, int stride_o1, int bt_stride, int num_kv_heads,
+    const u8* __restrict__ cache, const u8* __restrict__ tops, const int* __restrict__ ovf_ptr,
+    const u16* __restrict__ arena, const int* __restrict__ block_table, const int* __restrict__ seq_lens,
+    float scale_log2, int stride_q0, int stride_q1, int stride_o0, int stride_o1, int bt_stride, int num_kv_heads,
     int tiles_per_split, int num_splits) {
   extern __shared__ __align__(16) u8 smem_raw[];
   Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
@@ -347,16 +341,24 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) kv_decode_a
   if (tile < t_end) fetch(b0, 0, tile);
 #endif
 
-  for (int i = threadIdx.x; i < 8 * D; i += WARPS * 32) {
-    const int hh = i / D, d = i % D;
-    float qv = 0.f, qp = 0.f;
+  // Q of the KV head's query heads, 8 channels (16 bytes) a thread: one round of loads (query rows 16-byte aligned)
+  for (int i = threadIdx.x; i < 8 * (D / 8); i += WARPS * 32) {
+    const int hh = i / (D / 8), d0 = 8 * (i % (D / 8));
+    uint4 raw = make_uint4(0u, 0u, 0u, 0u);
+    uint2 tw = make_uint2(0u, 0u);
     if (hh < GQ) {
-      qv = bf(query[(long)seq * stride_q0 + (long)(h * GQ + hh) * stride_q1 + d]);
-      const float scaled = qv * pow2(int(tops[h * D + d]) - 127);
-      qp = bf(pack_bf16(scaled, 0.f) & 0xFFFFu);
+      raw = *reinterpret_cast<const uint4*>(query + (long)seq * stride_q0 + (long)(h * GQ + hh) * stride_q1 + d0);
+      tw = *reinterpret_cast<const uint2*>(tops + h * D + d0);
     }
-    sm.q[d][hh] = u16(pack_bf16(qv, 0.f) & 0xFFFFu);
-    sm.qs[d][hh] = u16(pack_bf16(qp, 0.f) & 0xFFFFu);
+    const u32 w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float qv = bf((w[j >> 1] >> (16 * (j & 1))) & 0xFFFFu);
+      const int top = int(((j < 4 ? tw.x : tw.y) >> (8 * (j & 3))) & 0xFFu);
+      const float qp = hh < GQ ? bf(pack_bf16(qv * pow2(top - 127), 0.f) & 0xFFFFu) : 0.f;
+      sm.q[d0 + j][hh] = u16(pack_bf16(qv, 0.f) & 0xFFFFu);
+      sm.qs[d0 + j][hh] = u16(pack_bf16(qp, 0.f) & 0xFFFFu);
+    }
   }
   for (int d = threadIdx.x; d < D; d += WARPS * 32) sm.vsc[d] = pow2(int(tops[(num_kv_heads + h) * D + d]) - 127);
   for (int i = lane; i < 8 * D; i += 32) (&sm.ocorr[warp][0][0])[i] = 0.f;
@@ -607,52 +609,9 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) kv_decode_a
       }
     }
   }
-#if FUSED_MERGE
-  if (num_splits == 1) return;
-
-  // ---- the last split of this (sequence, KV head) to finish combines them all (fixed order) ----
-  __threadfence();  // this block's partials are visible before its count
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const int prev = atomicAdd(counters + seq * num_kv_heads + h, 1);
-    sm.last = prev == num_splits - 1;
-  }
-  __syncthreads();
-  if (!sm.last) return;
-  __threadfence();
-  float* wsp = &sm.ocorr[0][0][0];  // [GQ][num_splits] split weights, then [GQ] sums (the rows are free now)
-  float* lsum = wsp + GQ * num_splits;
-  const long row0 = ((long)seq * num_kv_heads + h) * GQ * num_splits;  // (head 0, split 0) of this KV head
-  for (int i = threadIdx.x; i < GQ * num_splits; i += WARPS * 32) wsp[i] = __ldcg(part_ml + (row0 + i) * 2);
-  __syncthreads();
-  if (threadIdx.x < GQ) {
-    float* w = wsp + threadIdx.x * num_splits;
-    float M = NEG_INF;
-    for (int s = 0; s < num_splits; ++s) M = fmaxf(M, w[s]);
-    float L = 0.f;
-    for (int s = 0; s < num_splits; ++s) {
-      const float l = __ldcg(part_ml + (row0 + threadIdx.x * num_splits + s) * 2 + 1);
-      w[s] = (M == NEG_INF || l == 0.f) ? 0.f : ex2(w[s] - M) * l;
-      L += w[s];
-    }
-    lsum[threadIdx.x] = L;
-  }
-  __syncthreads();
-  for (int i = threadIdx.x; i < GQ * D; i += WARPS * 32) {
-    const int hh = i / D, d = i % D;
-    const float* w = wsp + hh * num_splits;
-    const float* po = part_o + (row0 + hh * num_splits) * D + d;
-    float O = 0.f;
-#pragma unroll 4
-    for (int s = 0; s < num_splits; ++s) O += w[s] * __ldcg(po + (long)s * D);
-    const float L = lsum[hh];
-    out[(long)seq * stride_o0 + (long)(h * GQ + hh) * stride_o1 + d] = u16(pack_bf16(L > 0.f ? O / L : 0.f, 0.f) & 0xFFFFu);
-  }
-  if (threadIdx.x == 0) counters[seq * num_kv_heads + h] = 0;  // ready for the next launch (and graph replay)
-#endif
 }
 
-// Splits of one (sequence, query head) combined in a fixed order, as a second launch (FUSED_MERGE 0).
+// Splits of one (sequence, query head) combined in a fixed order.
 // Grid (sequences, query heads), D threads.
 extern "C" __global__ void kv_merge(u16* __restrict__ out, const float* __restrict__ part_o,
                                     const float* __restrict__ part_ml, int stride_o0, int stride_o1, int num_q_heads,
