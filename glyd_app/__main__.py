@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from glyd_engine.kv_mode import MODES
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -19,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--kv",
-        choices=["auto", "lossless", "exact", "off"],
+        choices=MODES,
         default=None,
         help="KV cache mode (default: auto; 'off' uses vLLM's own bf16 cache)",
     )
@@ -43,13 +45,8 @@ def run_app(args: argparse.Namespace) -> int:
 
         print(db_path())
         return 0
-    kv_bytes = None if args.kv_cache_mib is None else (args.kv_cache_mib << 20) or None
-    overrides = {"kv": args.kv, "max_model_len": args.max_model_len}
-    if args.kv_cache_mib is not None:
-        overrides["kv_cache_bytes"] = kv_bytes
-    settings, error = load_engine_settings(**overrides)
-    if args.kv_cache_mib == 0:
-        settings.kv_cache_bytes = None
+    settings, error = load_engine_settings(kv=args.kv, max_model_len=args.max_model_len,
+                                           kv_cache_mib=args.kv_cache_mib)
 
     from glyd_app.app import GlydApp
 

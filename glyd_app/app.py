@@ -382,7 +382,7 @@ class GlydApp(App[None]):
         ready = self.ready_info
         in_force = ""
         if ready is not None:
-            mode = {"vllm": "vLLM's own cache"}.get(ready.kv_mode, f"Glyd {ready.kv_mode}")
+            mode = "vLLM's own cache" if ready.kv_mode == "off" else f"Glyd {ready.kv_mode}"
             in_force = f"Now: {mode}" + (f" ({ready.kv_reason})" if ready.kv_reason else "")
 
         def chosen(mode: str | None) -> None:

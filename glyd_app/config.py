@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from glyd_engine import paths
+from glyd_engine.engine.engine_args import kv_cache_bytes
 from glyd_engine.engine.protocol import EngineSettings
 
 
@@ -43,15 +44,16 @@ def load_keymap() -> tuple[dict[str, str], str | None]:
 
 
 def load_engine_settings(**overrides: Any) -> tuple[EngineSettings, str | None]:
-    """Engine settings from `[engine]` in config.toml, then command-line overrides (not None)."""
+    """Engine settings from `[engine]` in config.toml, then command-line overrides (not None). Both give
+    the KV budget as `kv_cache_mib`, turned into bytes here (0: vLLM sizes the cache)."""
     error = None
     try:
         data = dict(_read_toml(config_path()).get("engine", {}))
     except (OSError, ValueError) as exc:
         data, error = {}, f"{config_path()}: {exc}"
-    if "kv_cache_mib" in data:
-        data["kv_cache_bytes"] = int(data.pop("kv_cache_mib")) << 20
     data.update({k: v for k, v in overrides.items() if v is not None})
+    if "kv_cache_mib" in data:
+        data["kv_cache_bytes"] = kv_cache_bytes(data.pop("kv_cache_mib"))
     return EngineSettings.from_dict(data), error
 
 

@@ -15,20 +15,22 @@ from textual.screen import ModalScreen
 from textual.widgets import Label, OptionList
 from textual.widgets.option_list import Option
 
-MODES: list[tuple[str, str, str]] = [
-    ("auto", "auto (default)",
-     "Glyd's pages where they are measured as fast as vLLM's own cache, else vLLM's own cache. Today that is "
-     "vLLM's own everywhere: no table build, full speed."),
-    ("lossless", "lossless",
-     "Glyd's pages: ~1.42x the tokens in the same memory, every value exact. The first start of each model "
-     "builds its KV tables (1.5 to 5 min for the demo model on 2 shared CPU cores). On a CPU, replies are about 10x "
-     "slower than with vLLM's own cache (decode at batch 8: 13.2 vs 145.1 tok/s)."),
-    ("exact", "exact",
-     "The same pages, and attention runs on the decoded values with vLLM's own kernel, so replies equal vLLM's "
-     "own cache's bit for bit. On a CPU it costs what lossless costs (the same code runs); not on CUDA."),
-    ("off", "off",
-     "vLLM's own bf16 cache; the Glyd plugin does nothing for the KV cache."),
-]
+from glyd_engine.kv_mode import DEFAULT, KVMode
+from glyd_engine.kv_mode import MODES as KV_MODES
+
+COSTS: dict[KVMode, str] = {
+    "auto": "Glyd's pages where they are measured as fast as vLLM's own cache, else vLLM's own cache. Today that "
+            "is vLLM's own everywhere: no table build, full speed.",
+    "lossless": "Glyd's pages: ~1.42x the tokens in the same memory, every value exact. The first start of each "
+                "model builds its KV tables (1.5 to 5 min for the demo model on 2 shared CPU cores). On a CPU, "
+                "replies are about 10x slower than with vLLM's own cache (decode at batch 8: 13.2 vs 145.1 tok/s).",
+    "exact": "The same pages, and attention runs on the decoded values with vLLM's own kernel, so replies equal "
+             "vLLM's own cache's bit for bit. On a CPU it costs what lossless costs (the same code runs); not on "
+             "CUDA.",
+    "off": "vLLM's own bf16 cache; the Glyd plugin does nothing for the KV cache.",
+}
+# (mode, label, cost) in glyd_engine.kv_mode's order
+MODES: list[tuple[str, str, str]] = [(m, f"{m} (default)" if m == DEFAULT else m, COSTS[m]) for m in KV_MODES]
 
 
 class KVModeScreen(ModalScreen[str | None]):

@@ -12,6 +12,7 @@ from textual.reactive import reactive
 from textual.widgets import Static
 
 from glyd_engine.engine.protocol import Ready, Stats
+from glyd_engine.kv_mode import PAGE_MODES
 
 GIB = 1 << 30
 
@@ -94,9 +95,9 @@ def short_reason(reason: str) -> str:
 
 
 def mode_line(ready: Ready) -> Text:
-    mode = {"lossless": "Glyd lossless", "exact": "Glyd exact", "vllm": "vLLM's own"}.get(ready.kv_mode, ready.kv_mode)
+    mode = {"lossless": "Glyd lossless", "exact": "Glyd exact", "off": "vLLM's own"}.get(ready.kv_mode, ready.kv_mode)
     text = Text("KV mode ", style="dim")
-    text.append(mode, style="bold green" if ready.kv_mode in ("lossless", "exact") else "bold")
+    text.append(mode, style="bold green" if ready.kv_mode in PAGE_MODES else "bold")
     if ready.kv_reason:
         text.append(f": {short_reason(ready.kv_reason)}", style="dim")
     text.append(f" · {ready.engine}", style="dim")

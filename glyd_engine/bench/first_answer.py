@@ -49,9 +49,12 @@ def child(model: str, compiled: bool, seeds: int) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from glyd_engine.engine.engine_args import engine_args
+    from glyd_engine.engine.protocol import EngineSettings
+
     t0 = time.monotonic()
-    llm = LLM(model=model, dtype="bfloat16", max_model_len=1024, kv_cache_memory_bytes=256 << 20,
-              enforce_eager=not compiled)
+    settings = EngineSettings(max_model_len=1024, kv_cache_bytes=256 << 20, enforce_eager=not compiled)
+    llm = LLM(**engine_args(model, settings, cpu=True))
     load_s = round(time.monotonic() - t0, 1)  # compiled: includes torch.compile unless vLLM's cache had it
     tok = llm.get_tokenizer()
     first = llm.generate([TokensPrompt(prompt_token_ids=_prompt(tok, QUESTION))],

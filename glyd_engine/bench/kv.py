@@ -38,23 +38,21 @@ def corpus_ids(tokenizer: Any, n: int, skip: int = 0) -> list[int]:
 def _engine(spec: dict[str, Any]) -> Any:
     from vllm import LLM
 
-    glyd = {"kv": spec["mode"]}
-    if spec.get("check"):
-        glyd["check"] = True
+    from glyd_engine.engine.engine_args import engine_args
+    from glyd_engine.engine.protocol import EngineSettings
+
+    settings = EngineSettings(kv=spec["mode"], max_model_len=int(spec.get("max_model_len", 8192)),
+                              kv_cache_bytes=int(spec.get("kv_bytes", DEFAULT_KV_BYTES)),
+                              enforce_eager=not spec.get("compiled"),  # compiled: vLLM's default (torch.compile)
+                              max_num_batched_tokens=int(spec.get("max_num_batched_tokens") or 0) or None)
+    glyd: dict[str, Any] = {"check": True} if spec.get("check") else {}
     if spec.get("kernels"):
         glyd["kernels"] = spec["kernels"]
-    kwargs = dict(model=str(spec["model"]), dtype="bfloat16", enforce_eager=True, seed=0,
-                  kv_cache_memory_bytes=int(spec.get("kv_bytes", DEFAULT_KV_BYTES)),
-                  max_model_len=int(spec.get("max_model_len", 8192)), additional_config={"glyd": glyd},
-                  enable_prefix_caching=True, enable_chunked_prefill=True, disable_log_stats=False)
-    for k in ("max_num_batched_tokens", "max_num_seqs", "block_size"):
-        if spec.get(k):
-            kwargs[k] = int(spec[k])
+    extra = {k: int(spec[k]) for k in ("max_num_seqs", "block_size") if spec.get(k)}
     if spec.get("quantization"):
-        kwargs["quantization"] = spec["quantization"]
-    if spec.get("compiled"):  # vLLM's default mode (torch.compile) instead of eager
-        kwargs["enforce_eager"] = False
-    return LLM(**kwargs)
+        extra["quantization"] = spec["quantization"]
+    return LLM(**engine_args(spec["model"], settings, cpu=True, glyd=glyd, seed=0, enable_prefix_caching=True,
+                             enable_chunked_prefill=True, disable_log_stats=False, **extra))
 
 
 def _prompt_logprobs(llm: Any, prompts: list[list[int]]) -> list[list[float]]:

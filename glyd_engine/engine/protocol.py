@@ -11,9 +11,10 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar, Literal
 
+from glyd_engine.kv_mode import KVMode
+
 PROTOCOL_VERSION = 1
 
-KVSetting = Literal["auto", "lossless", "exact", "off"]
 ErrorKind = Literal["oom", "unsupported", "refused", "offline", "cancelled", "crash"]
 
 
@@ -21,7 +22,7 @@ ErrorKind = Literal["oom", "unsupported", "refused", "offline", "cancelled", "cr
 class EngineSettings:
     """What a start needs besides the model; defaults suit a laptop CPU and scale on a GPU."""
 
-    kv: str = "auto"  # auto | lossless | exact | off (Glyd's KV mode; vLLM's own cache when off)
+    kv: KVMode = "auto"  # Glyd's KV mode (glyd_engine.kv_mode); vLLM's own cache when off
     max_model_len: int = 4096
     kv_cache_bytes: int | None = 256 << 20  # fixed KV budget (CPU); None: vLLM sizes it (GPU)
     gpu_memory_utilization: float = 0.85
@@ -135,7 +136,7 @@ class Ready(Event):
     kv_bf16_bytes_per_token: float = 0.0
     weights_bytes: int = 0
     weights_bf16_bytes: int = 0
-    kv_mode: str = ""  # lossless | exact | vllm
+    kv_mode: str = ""  # what runs: lossless | exact | off (vLLM's own cache)
     kv_reason: str = ""
     load_seconds: float = 0.0
     rss_bytes: int | None = None

@@ -1,8 +1,7 @@
 """The memory numbers the engine reports: weights and KV cache, each against what bf16 would take.
 
-Kept apart from the vLLM backend so the figures are computed one way for every engine: `kv_report` asks
-Glyd's vLLM plugin (`glyd_engine.vllm_plugin.kv_status`) for the KV mode when it imports and otherwise
-reports vLLM's own cache.
+Kept apart from the vLLM backend so the figures are computed one way for every engine; the KV mode is
+the one Glyd's vLLM plugin decided for the engine (`glyd_engine.vllm_plugin.kv_status`).
 """
 
 from __future__ import annotations
@@ -73,7 +72,7 @@ def weights_report(model_dir: Path, resident_bytes: int | None = None, run_bytes
 
 @dataclass(frozen=True)
 class KVReport:
-    mode: str  # "lossless" | "exact" | "vllm"
+    mode: str  # "lossless" | "exact" | "off" (vLLM's own cache): what the engine was built with
     reason: str
     bytes_per_token: float
     bf16_bytes_per_token: float
@@ -88,25 +87,13 @@ def bf16_kv_bytes_per_token(vllm_config: Any) -> int:
     return 2 * layers * heads * head * 2
 
 
-def kv_report(vllm_config: Any, setting: str) -> KVReport:
+def kv_report(vllm_config: Any) -> KVReport:
+    """The KV mode the plugin decided for this engine (its cached decision, not a new one), and its size."""
+    from glyd_engine.vllm_plugin import kv_status
+
+    status = kv_status(vllm_config)
     bf16 = float(bf16_kv_bytes_per_token(vllm_config))
-    try:
-        from glyd_engine.vllm_plugin import kv_status  # type: ignore[attr-defined]
-    except ImportError:
-        kv_status = None
-    if kv_status is not None:
-        status = kv_status(vllm_config)
-        return KVReport(status["mode"], status["reason"], float(status["bytes_per_token"]), bf16)
-    if setting == "off":
-        reason = "KV compression is off (setting)"
-    else:
-        reason = "Glyd's KV plugin is not installed in this build; vLLM's own bf16 cache"
-    cache_dtype = getattr(vllm_config.cache_config, "cache_dtype", "auto")
-    per_token = bf16
-    if cache_dtype not in ("auto", "bfloat16", "bf16"):
-        per_token = bf16 / 2  # fp8 caches: lossy, said so in the reason
-        reason = f"vLLM's own {cache_dtype} cache (lossy)"
-    return KVReport("vllm", reason, per_token, bf16)
+    return KVReport(status["mode"], status["reason"], float(status["bytes_per_token"]), bf16)
 
 
 def rss_bytes(pid: int | None = None) -> int | None:

@@ -8,6 +8,7 @@ everything.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from glyd_engine import paths
+from glyd_engine.engine.engine_args import engine_args
 from glyd_engine.engine.protocol import (
     Delta,
     EngineSettings,
@@ -176,27 +178,16 @@ class VllmBackend:
 
             with _PhaseHook(ticker.set_phase):
                 cpu = current_platform.is_cpu()
-                eager = cpu if s.enforce_eager is None else s.enforce_eager
-                kwargs: dict[str, Any] = dict(
-                    model=str(self.model_dir),
-                    dtype=s.dtype,
-                    max_model_len=s.max_model_len,
-                    enforce_eager=eager,
-                    disable_log_stats=True,
-                    max_num_batched_tokens=s.max_num_batched_tokens or (CPU_PREFILL_CHUNK if cpu else None),
-                )
-                if s.kv_cache_bytes:
-                    kwargs["kv_cache_memory_bytes"] = int(s.kv_cache_bytes)
-                else:
-                    kwargs["gpu_memory_utilization"] = s.gpu_memory_utilization
-                if s.kv != "off":
-                    kwargs["additional_config"] = {"glyd": {"kv": s.kv}}
+                chunk = s.max_num_batched_tokens or (CPU_PREFILL_CHUNK if cpu else None)
+                kwargs = engine_args(self.model_dir, dataclasses.replace(s, max_num_batched_tokens=chunk),
+                                     cpu=cpu, disable_log_stats=True)
+                eager = kwargs["enforce_eager"]
                 self.engine = LLMEngine.from_engine_args(EngineArgs(**kwargs))
         vc = self.engine.vllm_config
         self.tokenizer = self.engine.get_tokenizer()
         cc = vc.cache_config
         self.capacity = int((cc.num_gpu_blocks or 0) * cc.block_size)
-        kv = kv_report(vc, s.kv)
+        kv = kv_report(vc)
         resident = None
         if vc.model_config.quantization == "glyd":  # packed weights: what the worker holds in memory
             from glyd_engine.vllm_plugin.weights import worker_weight_bytes

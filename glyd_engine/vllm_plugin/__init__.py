@@ -63,14 +63,15 @@ def register() -> None:
 
     The KV mode is not decided here: `additional_config` (which wins over GLYD_KV) is not known until vLLM
     makes the engine config, where the wrapped config check decides once for both sources (settings.decide).
-    When this vLLM lacks a hook, only that check is wrapped: it refuses lossless/exact from either source
-    and tells auto why it stays off."""
+    Only GLYD_KV is read here, to refuse a misspelt value at once. When this vLLM lacks a hook, only that
+    check is wrapped: it refuses lossless/exact from either source and tells auto why it stays off."""
     global _registered
     if _registered:
         return
+    from glyd_engine import kv_mode
     from glyd_engine.vllm_plugin import settings
 
-    asked = settings.asked_mode()  # raises ValueError for a misspelt GLYD_KV: better now than silently off
+    asked = kv_mode.asked()  # raises ValueError for a misspelt GLYD_KV: better now than silently off
     from glyd_engine.vllm_plugin import (
         hooks,
         weights,  # noqa: F401  (registers the "glyd" quantization config)
@@ -84,8 +85,8 @@ def register() -> None:
         settings.set_missing_hooks(missing, vllm.__version__)
         if platform_cls is not None and hasattr(platform_cls, "check_and_update_config"):
             hooks.install_config_check(platform_cls)
-        elif asked in ("lossless", "exact"):  # no later place sees the config: refuse now, on GLYD_KV alone
-            raise UnsupportedVLLMError(f"Glyd KV cache (GLYD_KV={asked}) cannot run: {settings.missing_hooks()}. "
+        elif asked in kv_mode.PAGE_MODES:  # no later place sees the config: refuse now, on GLYD_KV alone
+            raise UnsupportedVLLMError(f"Glyd KV cache ({kv_mode.ENV}={asked}) cannot run: {settings.missing_hooks()}. "
                                        f"Install a supported vLLM, or {settings.OFF_HINT}.")
         log.warning("Glyd KV cache stays off, and lossless/exact are refused: %s", settings.missing_hooks())
         _registered = True
@@ -109,8 +110,9 @@ def _platform_cls() -> type | None:
 
 
 def kv_status(vllm_config: Any) -> dict[str, Any]:
-    """The KV mode in force for an engine, why, and its bytes a token (all layers, K and V): for the app.
-    It reports the decision the engine was built with (settings.decide's cached one), not a new one."""
+    """The KV mode in force for an engine (lossless, exact, or off: vLLM's own cache), why, and its bytes a
+    token (all layers, K and V): for the app. It reports the decision the engine was built with
+    (settings.decide's cached one), not a new one."""
     from glyd_engine.vllm_plugin import settings, state
 
     d = settings.decide(vllm_config)
@@ -119,7 +121,7 @@ def kv_status(vllm_config: Any) -> dict[str, Any]:
     bf16 = 2 * layers * heads * mc.get_head_size() * 2
     if not d.active:
         reason = d.reason or ("KV compression is off (setting)" if d.asked == "off" else "")
-        return {"mode": "vllm", "reason": reason, "bytes_per_token": float(bf16)}
+        return {"mode": d.mode, "reason": reason, "bytes_per_token": float(bf16)}
     tables = state.load_tables(mc.model)
     per_token = layers * heads * tables.token_bytes(settings.code_bits(vllm_config))
     return {"mode": d.mode, "reason": f"every value exact, {bf16 / per_token:.2f}x the tokens of bf16",

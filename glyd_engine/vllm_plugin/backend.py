@@ -49,8 +49,7 @@ class GlydAttentionImpl(CPUAttentionBackendImpl):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        cfg = get_current_vllm_config()
-        self.decision = settings.decide(cfg)
+        cfg = get_current_vllm_config()  # the selector chose this backend from settings.decide(cfg)
         self.check = settings.check_enabled(cfg)
         self.tables = state.load_tables(cfg.model_config.model)
         self.code_bits = settings.code_bits(cfg)

@@ -15,11 +15,12 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from glyd_engine import kv_mode
+from glyd_engine.kv_mode import PAGE_MODES, KVMode
+
 # Under "vllm" so the lines go where vLLM's own log goes (its logger has the handler).
 log = logging.getLogger("vllm.glyd")
 
-MODES = ("auto", "lossless", "exact", "off")
-ENV_MODE = "GLYD_KV"
 ENV_CHECK = "GLYD_KV_CHECK"  # debug: keep a bf16 shadow of every page and compare each value read
 ENV_KERNELS = "GLYD_KV_KERNELS"
 # What runs the pages: torch (the CPU build: pages decoded, then vLLM's own CPU kernel), cuda (the GPU backend:
@@ -43,38 +44,31 @@ OFF_HINT = "run with GLYD_KV=off (or --additional-config '{\"glyd\": {\"kv\": \"
 
 @dataclass(frozen=True)
 class Decision:
-    asked: str  # the mode the user set (auto when unset)
-    mode: str  # lossless | exact | off: what runs
+    asked: KVMode  # the mode the user set (auto when unset)
+    mode: KVMode  # lossless | exact | off: what runs
     reason: str = ""  # why `auto` kept vLLM's own cache
     kernels: str = ""  # torch | cuda | reference: what runs the pages (active modes)
 
     @property
     def active(self) -> bool:
-        return self.mode in ("lossless", "exact")
+        return self.mode in PAGE_MODES
 
 
 def glyd_section(vllm_config: Any) -> dict[str, Any]:
     extra = getattr(vllm_config, "additional_config", None)
-    if isinstance(extra, dict) and isinstance(extra.get("glyd"), dict):
-        return extra["glyd"]
+    if isinstance(extra, dict) and isinstance(extra.get(kv_mode.SECTION), dict):
+        return extra[kv_mode.SECTION]
     return {}
 
 
 def _choice(vllm_config: Any, key: str, env: str, choices: tuple[str, ...], what: str) -> str:
-    """`additional_config["glyd"][key]` (per engine) wins over the environment variable (per process); default
-    auto. A value outside `choices` is refused with the list."""
-    value = glyd_section(vllm_config).get(key) if vllm_config is not None else None
-    source = f"additional_config glyd.{key}"
-    if value is None:
-        value, source = os.environ.get(env) or "auto", env
-    value = str(value).strip().lower()
-    if value not in choices:
-        raise ValueError(f"{source}={value!r} is not a {what}; use one of {', '.join(choices)}")
-    return value
+    """A plugin setting by the KV mode's precedence (kv_mode.choose): the engine's own setting wins."""
+    return kv_mode.choose(glyd_section(vllm_config), key, env, choices, what)
 
 
-def asked_mode(vllm_config: Any = None) -> str:
-    return _choice(vllm_config, "kv", ENV_MODE, MODES, "Glyd KV mode")
+def asked_mode(vllm_config: Any = None) -> KVMode:
+    """The KV mode asked for an engine (None: before any engine config, from GLYD_KV alone)."""
+    return kv_mode.asked(glyd_section(vllm_config))
 
 
 def check_enabled(vllm_config: Any = None) -> bool:
@@ -225,23 +219,29 @@ def resolve(vllm_config: Any) -> Decision:
     if asked == "off":
         return Decision(asked, "off")
     if _missing_hooks:
-        if asked in ("lossless", "exact"):
+        if asked in PAGE_MODES:
             raise UnsupportedVLLMError(f"Glyd KV cache (kv={asked}) cannot run: {missing_hooks()}. Install a "
                                        f"supported vLLM, or {OFF_HINT}.")
         return Decision(asked, "off", missing_hooks())
     why = unsupported(vllm_config, asked)
-    if asked in ("lossless", "exact"):
+    if asked in PAGE_MODES:
         if why:
             raise ValueError(f"Glyd KV cache (kv={asked}) cannot run this engine: " + "; ".join(why)
                              + f". Change that, or {OFF_HINT}.")
         return Decision(asked, asked, kernels=kernels(vllm_config))
     if why:
         return Decision(asked, "off", "; ".join(why))
-    plat = platform_name()
-    if plat not in AUTO_FAST_PLATFORMS:
-        return Decision(asked, "off", f"the lossless cache is not measured as fast as vLLM's own on {plat} "
-                                      f"(set {ENV_MODE}=lossless to hold ~1.4x the tokens anyway)")
+    if not auto_holds_pages():
+        return Decision(asked, "off", f"the lossless cache is not measured as fast as vLLM's own on "
+                                      f"{platform_name()} (set {kv_mode.ENV}=lossless to hold ~1.4x the tokens "
+                                      f"anyway)")
     return Decision(asked, "lossless", kernels=kernels(vllm_config))
+
+
+def auto_holds_pages() -> bool:
+    """Whether `auto` runs Glyd's pages on this platform, where the engine allows them (one rule for
+    `resolve` and `holds_pages`)."""
+    return platform_name() in AUTO_FAST_PLATFORMS
 
 
 _logged: set[tuple[str, str]] = set()
@@ -260,8 +260,9 @@ def log_decision(d: Decision) -> None:
 
 
 def holds_pages(asked: str) -> bool:
-    """Whether a mode runs Glyd's pages on this platform, before any model check: the engine runner uses
-    it to build the KV tables (with progress) only when they will be used."""
+    """Whether a mode will run Glyd's pages on this platform, before any engine config exists (so before
+    `decide`): the engine runner uses it to build the KV tables (with progress) only when they will be used;
+    `resolve` then decides with the same rule and the engine's checks."""
     if asked == "off":
         return False
-    return asked in ("lossless", "exact") or platform_name() in AUTO_FAST_PLATFORMS
+    return asked in PAGE_MODES or auto_holds_pages()

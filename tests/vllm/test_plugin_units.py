@@ -193,7 +193,7 @@ def test_a_missing_hook_refuses_lossless_from_additional_config(new_process: Any
     decision = settings.decide(auto)
     assert decision.mode == "off" and "lacks AttentionBackend.customize_spec" in decision.reason
     status = new_process.kv_status(auto)
-    assert status["mode"] == "vllm" and "lacks AttentionBackend.customize_spec" in status["reason"]
+    assert status["mode"] == "off" and "lacks AttentionBackend.customize_spec" in status["reason"]
 
 
 def test_a_missing_hook_with_glyd_kv_follows_the_precedence(new_process: Any, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -225,7 +225,7 @@ def test_one_decision_a_process_and_the_status_reports_it(new_process: Any, monk
     monkeypatch.setenv("GLYD_KV", "lossless")
     assert settings.decide(cfg) is built
     status = new_process.kv_status(cfg)
-    assert status["mode"] == "vllm" and status["bytes_per_token"] == 2 * 2 * 3 * 64 * 2
+    assert status["mode"] == "off" and status["bytes_per_token"] == 2 * 2 * 3 * 64 * 2
     assert settings.decide(_config()).mode == "lossless"  # another engine's config: decided afresh
 
 
@@ -255,6 +255,38 @@ def test_serve_binds_localhost_unless_told() -> None:
     assert cmd[1:] == ["-m", "glyd_engine.vllm_cli", "serve", "/m", "--host", "127.0.0.1", "--port", "9000"]
     cmd, _ = vllm_command("/m", ["--", "--host=0.0.0.0"], cpu=False)
     assert "127.0.0.1" not in cmd and cmd[-1] == "--host=0.0.0.0"
+
+
+def test_serve_asks_for_the_kv_mode_through_additional_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`glyd serve --kv` reaches vLLM the way the app and the benches do (additional_config), merged with the
+    user's own --additional-config, where a glyd.kv the user wrote wins (as it wins over GLYD_KV)."""
+    import json
+
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from glyd_engine.commands.serve import vllm_command
+
+    def config(args: list[str]) -> dict[str, Any]:
+        parser = FlexibleArgumentParser()  # vLLM's own parser: it merges the dotted form
+        parser.add_argument("--additional-config", type=json.loads, default={})
+        parser.add_argument("--host")
+        parser.add_argument("--port")
+        return parser.parse_args(args).additional_config
+
+    cmd, _ = vllm_command("/m", ["--port", "9000"], cpu=False)
+    assert not any("additional-config" in a for a in cmd)  # no --kv: GLYD_KV or auto, read by the plugin
+    cmd, _ = vllm_command("/m", ["--port", "9000"], cpu=False, kv="lossless")
+    assert cmd[5:] == ["--host", "127.0.0.1", "--additional-config.glyd.kv=lossless", "--port", "9000"]
+    assert config(cmd[5:]) == {"glyd": {"kv": "lossless"}}
+    dotted = ["--additional-config.glyd.check", "true"]
+    cmd, _ = vllm_command("/m", dotted, cpu=False, kv="exact")
+    assert config(cmd[5:]) == {"glyd": {"kv": "exact", "check": True}}
+    for mine in (["--additional-config", '{"glyd": {"check": true}, "x": 1}'],
+                 ['--additional-config={"glyd": {"check": true}, "x": 1}']):
+        cmd, _ = vllm_command("/m", mine, cpu=False, kv="off")
+        assert config(cmd[5:]) == {"glyd": {"check": True, "kv": "off"}, "x": 1}
+    cmd, _ = vllm_command("/m", ["--additional-config", '{"glyd": {"kv": "off"}}'], cpu=False, kv="lossless")
+    assert config(cmd[5:]) == {"glyd": {"kv": "off"}}
 
 
 def test_serve_sizes_the_cpu_build_for_the_machine(monkeypatch: pytest.MonkeyPatch) -> None:
