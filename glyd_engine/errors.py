@@ -1,11 +1,27 @@
 """User-facing errors: each message says what went wrong and what to do; the CLI and the app print it
-without a traceback."""
+without a traceback.
+
+Each class carries its `kind`, the word the engine child sends with a failure (`protocol.Error.kind`)
+and the app picks a dialog title by: the kind travels as data, never guessed from a message.
+"""
 
 from __future__ import annotations
 
+from typing import ClassVar, Final
+
+OOM: Final = "oom"
+UNSUPPORTED: Final = "unsupported"
+REFUSED: Final = "refused"
+OFFLINE: Final = "offline"
+CANCELLED: Final = "cancelled"
+CRASH: Final = "crash"
+KINDS: Final = (OOM, UNSUPPORTED, REFUSED, OFFLINE, CANCELLED, CRASH)
+
 
 class GlydError(Exception):
-    """Base for errors whose message is the whole story."""
+    """Base for errors whose message is the whole story; by default a rule of Glyd's said no."""
+
+    kind: ClassVar[str] = REFUSED
 
 
 class CorruptFileError(GlydError):
@@ -15,6 +31,8 @@ class CorruptFileError(GlydError):
 class UnsupportedModelError(GlydError):
     """A model or tensor the formats do not handle (not bf16, empty, unknown layout)."""
 
+    kind: ClassVar[str] = UNSUPPORTED
+
 
 class MismatchError(GlydError):
     """Decoded data differs from what it should be (checksum or bit comparison)."""
@@ -22,3 +40,5 @@ class MismatchError(GlydError):
 
 class OfflineError(GlydError):
     """Something must be downloaded and the hub cannot be reached."""
+
+    kind: ClassVar[str] = OFFLINE

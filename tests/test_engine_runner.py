@@ -101,6 +101,10 @@ def test_errors_are_classified_for_the_user() -> None:
     assert classify(ValueError("Model architectures ['Foo'] are not supported for now")) == "unsupported"
     assert classify(ValueError("glyd refused: tensor parallel > 1")) == "refused"
     assert classify(RuntimeError("segfault-ish")) == "crash"
+    # Glyd's own errors are classified by their class, whatever their message says
+    assert classify(GlydError("refused: lossless needs KV tables")) == "refused"
+    assert classify(GlydError("the tables hold no architectures")) == "refused"
+    assert classify(UnsupportedModelError("out of memory? no: a float32 tensor")) == "unsupported"
     try:
         try:
             raise GlydError("the real reason")
@@ -108,6 +112,16 @@ def test_errors_are_classified_for_the_user() -> None:
             raise RuntimeError("Engine core initialization failed. See root cause above.") from inner
     except RuntimeError as outer:
         assert user_message(outer) == "the real reason"
+
+
+def test_every_error_kind_is_one_the_protocol_names() -> None:
+    from typing import get_args
+
+    from glyd_engine import errors
+
+    assert set(errors.KINDS) == set(get_args(p.ErrorKind))
+    classes = [c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, errors.GlydError)]
+    assert classes and all(c.kind in errors.KINDS for c in classes)
 
 
 def test_echo_start_generate_stop_shutdown(echo: tuple[EngineClient, Recorder]) -> None:

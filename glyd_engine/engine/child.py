@@ -17,6 +17,7 @@ import traceback
 from pathlib import Path
 from typing import IO, Any
 
+from glyd_engine.engine.backend_choice import stand_in_engine
 from glyd_engine.engine.protocol import (
     CancelStart,
     EngineSettings,
@@ -33,7 +34,7 @@ from glyd_engine.engine.protocol import (
     decode_request,
     encode,
 )
-from glyd_engine.errors import GlydError, OfflineError, UnsupportedModelError
+from glyd_engine.errors import CANCELLED, CRASH, OOM, REFUSED, UNSUPPORTED, GlydError, UnsupportedModelError
 from glyd_engine.progress import Cancelled, CancelToken, ProgressEvent
 
 log = logging.getLogger("glyd.engine")
@@ -56,38 +57,29 @@ class Emitter:
                 os._exit(0)
 
 
+# vLLM and torch raise plain exceptions (ValueError, RuntimeError): for those alone the message is the only
+# sign of what went wrong. Glyd's own errors carry their kind (glyd_engine.errors) and are never read.
+FOREIGN_OOM = ("out of memory", "outofmemory", "insufficient memory", "no available memory", "not enough memory")
+FOREIGN_UNSUPPORTED = ("not supported", "unsupported", "architectures", "does not appear to have", "no such file",
+                       "not a valid model")
+
+
 def classify(exc: BaseException) -> str:
     """The error kind the app shows: oom, unsupported, refused, offline, cancelled or crash."""
-    text = f"{type(exc).__name__}: {exc}".lower()
     if isinstance(exc, Cancelled):
-        return "cancelled"
-    if isinstance(exc, OfflineError):
-        return "offline"
-    if isinstance(exc, UnsupportedModelError):
-        return "unsupported"
-    if (
-        isinstance(exc, MemoryError)
-        or "out of memory" in text
-        or "outofmemory" in text
-        or "insufficient memory" in text
-        or "no available memory" in text
-        or "not enough memory" in text
-    ):
-        return "oom"
-    if "refus" in text:
-        return "refused"
-    if (
-        "not supported" in text
-        or "unsupported" in text
-        or "architectures" in text
-        or "does not appear to have" in text
-        or "no such file" in text
-        or "not a valid model" in text
-    ):
-        return "unsupported"
+        return CANCELLED
     if isinstance(exc, GlydError):
-        return "refused"
-    return "crash"
+        return exc.kind
+    if isinstance(exc, MemoryError):
+        return OOM
+    text = f"{type(exc).__name__}: {exc}".lower()
+    if any(s in text for s in FOREIGN_OOM):
+        return OOM
+    if "refus" in text:
+        return REFUSED
+    if any(s in text for s in FOREIGN_UNSUPPORTED):
+        return UNSUPPORTED
+    return CRASH
 
 
 def user_message(exc: BaseException) -> str:
@@ -108,9 +100,9 @@ def resolve(model: str, settings: EngineSettings, emit: Any, cancel: CancelToken
     """The model directory, built (demo) or downloaded (hub id) on first use, with progress."""
 
     def progress(ev: ProgressEvent) -> None:
-        emit(Progress(ev.job, ev.phase, ev.done, ev.total, ev.eta_s))
+        emit(Progress.of(ev))
 
-    if os.environ.get("GLYD_ENGINE_BACKEND") == "echo" and model.startswith("fail:"):
+    if stand_in_engine() and model.startswith("fail:"):
         return Path(".")  # the echo stand-in fails its own start, as scripted by the name
     try:
         from glyd_engine.models import resolve_model
@@ -130,7 +122,7 @@ def ensure_kv_tables(model_dir: Path, settings: EngineSettings, emit: Any, cance
     In `auto` mode a model the tables cannot handle falls back to vLLM's own cache with a log line;
     in `lossless`/`exact` mode that is a refusal.
     """
-    if settings.kv == "off" or os.environ.get("GLYD_ENGINE_BACKEND") == "echo":
+    if settings.kv == "off" or stand_in_engine():
         return
     # The tables serve only the plugin's pages: where the mode keeps vLLM's own cache (auto on a platform
     # where Glyd's pages are not measured as fast), building them would cost minutes for nothing.
@@ -142,7 +134,7 @@ def ensure_kv_tables(model_dir: Path, settings: EngineSettings, emit: Any, cance
     from glyd_engine.tables import ensure_tables
 
     def progress(ev: ProgressEvent) -> None:
-        emit(Progress(ev.job, ev.phase, ev.done, ev.total, ev.eta_s))
+        emit(Progress.of(ev))
 
     try:
         ensure_tables(model_dir, window=settings.max_model_len, progress=progress, cancel=cancel)
@@ -155,7 +147,7 @@ def ensure_kv_tables(model_dir: Path, settings: EngineSettings, emit: Any, cance
 
 
 def make_backend(model: str, model_dir: Path, settings: EngineSettings, emit: Any) -> Any:
-    if os.environ.get("GLYD_ENGINE_BACKEND") == "echo":
+    if stand_in_engine():
         from glyd_engine.engine.echo_backend import EchoBackend
 
         return EchoBackend(model, model_dir, settings, emit)
@@ -180,13 +172,13 @@ class Child:
             try:
                 req = decode_request(line)
             except (ValueError, KeyError, TypeError) as exc:
-                self.emit(Error(f"bad request: {exc}", "crash", fatal=False))
+                self.emit(Error(f"bad request: {exc}", CRASH, fatal=False))
                 continue
             if isinstance(req, CancelStart | Shutdown) and self.backend is None:
                 self.cancel.cancel()
                 if self.loading:  # nothing to wait for: leave now, the OS frees the half-loaded engine
                     if isinstance(req, CancelStart):
-                        self.emit(Error("start cancelled", "cancelled", fatal=True))
+                        self.emit(Error("start cancelled", CANCELLED, fatal=True))
                     self._exit(0)
             self.inbox.put(req)
         # stdin closed: the front end is gone; don't outlive it.
@@ -220,7 +212,7 @@ class Child:
         """Act on one request; False ends the child."""
         if isinstance(req, Start):
             if self.backend is not None:
-                self.emit(Error("the engine is already started", "refused", fatal=False))
+                self.emit(Error("the engine is already started", REFUSED, fatal=False))
                 return True
             try:
                 self.start(req)
@@ -231,7 +223,7 @@ class Child:
             return True
         if isinstance(req, Generate):
             if self.backend is None:
-                self.emit(Error("the engine is not started", "refused", fatal=False, id=req.id))
+                self.emit(Error("the engine is not started", REFUSED, fatal=False, id=req.id))
                 self.emit(Finished(req.id, "error"))
                 return True
             try:

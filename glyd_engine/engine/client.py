@@ -36,6 +36,7 @@ from glyd_engine.engine.protocol import (
     decode_event,
     encode,
 )
+from glyd_engine.errors import CRASH, OOM
 
 EventCallback = Callable[[Event], None]
 log = logging.getLogger("glyd.engine")
@@ -203,7 +204,7 @@ class EngineClient:
             self._deliver(
                 Error(
                     exit_message(code),
-                    "oom" if code == -signal.SIGKILL else "crash",
+                    OOM if code == -signal.SIGKILL else CRASH,
                     fatal=True,
                     id=self._reply,
                     log_path=str(log_path()),

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from glyd_engine import __version__, paths
+from glyd_engine.engine.backend_choice import stand_in_engine
 from glyd_engine.errors import GlydError, OfflineError
 from glyd_engine.progress import CancelToken, ProgressCallback, ProgressEvent, no_progress
 
@@ -41,7 +42,7 @@ def engine_python() -> str:
     override = os.environ.get("GLYD_ENGINE_PYTHON")
     if override:
         return override
-    if has_vllm_here() or os.environ.get("GLYD_ENGINE_BACKEND") == "echo":
+    if has_vllm_here() or stand_in_engine():
         return sys.executable
     venv_python = _venv_python(engine_venv())
     if (engine_venv() / MARKER).exists():
@@ -52,7 +53,7 @@ def engine_python() -> str:
 def engine_available() -> bool:
     return (
         bool(os.environ.get("GLYD_ENGINE_PYTHON"))
-        or os.environ.get("GLYD_ENGINE_BACKEND") == "echo"
+        or stand_in_engine()
         or has_vllm_here()
         or (engine_venv() / MARKER).exists()
     )

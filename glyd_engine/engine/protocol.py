@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar, Literal
 
 from glyd_engine.kv_mode import KVMode
+from glyd_engine.progress import ProgressEvent
 
 PROTOCOL_VERSION = 1
 
@@ -117,6 +118,11 @@ class Progress(Event):
         if not self.total:
             return None
         return min(1.0, max(0.0, self.done / self.total))
+
+    @classmethod
+    def of(cls, event: ProgressEvent) -> Progress:
+        """The wire copy of a job's progress: the one place the two meet (jobs stay free of the protocol)."""
+        return cls(event.job, event.phase, event.done, event.total, event.eta_s)
 
 
 @dataclass
