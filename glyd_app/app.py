@@ -1,14 +1,14 @@
-"""The glyd-chat App: owns the store and the engine client, routes engine events, holds the actions.
+"""The glyd-chat App: holds the chat session, routes engine events, holds the actions.
 
-Thin on purpose: drawing is in screens/ and widgets/, conversations in store.py, the engine in a
-child process behind `glyd_engine.engine.EngineClient`. Blocking work (spawning or shutting down the
-child, installing the engine) runs in named thread workers; their results come back as messages.
+Thin on purpose: drawing is in screens/ and widgets/, the chat, the engine link and the reply in flight
+in session.py (no UI), conversations in store.py, the engine in a child process behind
+`glyd_engine.engine.EngineClient`. Blocking work (spawning or shutting down the child, installing the
+engine) runs in named thread workers; their results come back as messages.
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,29 +19,29 @@ from textual.clock import Clock
 from textual.screen import Screen
 from textual.worker import Worker, WorkerState
 
-from glyd_app.commands import GlydCommands
+from glyd_app.commands import Command, GlydCommands
 from glyd_app.config import keymap_path, load_keymap
-from glyd_app.engine_link import EngineEvent, EngineFactory, default_factory, make_client
+from glyd_app.engine_link import EngineEvent, EngineFactory, default_factory
 from glyd_app.screens.chat import ChatScreen
 from glyd_app.screens.start import StartScreen
+from glyd_app.session import ChatSession
 from glyd_app.store import Store
 from glyd_app.widgets.stats_bar import StatsBar
-from glyd_engine.engine.client import EngineLike
 from glyd_engine.engine.protocol import (
     Delta,
     EngineSettings,
     Error,
     Finished,
-    GenerationParams,
     Progress,
     Ready,
     Stats,
     Stopped,
 )
-from glyd_engine.progress import ProgressEvent
+from glyd_engine.errors import CANCELLED, CRASH, OFFLINE, OfflineError
 
 if TYPE_CHECKING:
-    from glyd_app.screens.chats import ChatsChanged
+    from glyd_app.screens.chats import ChatsChanged, ExportChat
+    from glyd_app.screens.models import ForgetModelDir
     from glyd_app.screens.settings import ChatSettings
 
 # Screens other than the chat and start screens are imported when first opened: the first frame
@@ -74,30 +74,25 @@ class GlydApp(App[None]):
         install_if_missing: bool = True,
     ) -> None:
         super().__init__()
-        self.model_spec = model
-        self.settings = settings or EngineSettings()
-        self.engine_factory = engine_factory
-        self._store = store
+        self.session = ChatSession(model, settings, engine_factory, store, chat_id, install_if_missing)
         self.export_dir = export_dir or Path.cwd()
-        self.open_chat_id = chat_id
-        self.install_if_missing = install_if_missing
-        self.engine: EngineLike | None = None
-        self.generation = 0
-        self.engine_state = "stopped"  # stopped | starting | ready | failed | stopping
-        self.ready_info: Ready | None = None
-        self.last_error: Error | None = None
         self.start_screen: StartScreen | None = None
-        self.chat_screen = ChatScreen()
-        self._engine_lock = threading.Lock()
+        self.chat_screen = ChatScreen(self.session)
         self.progress_clock: Clock | None = None  # tests: a MockClock for deterministic ETAs
 
     # ------------------------------------------------------------------ set-up
 
     @property
     def store(self) -> Store:
-        if self._store is None:
-            self._store = Store()
-        return self._store
+        return self.session.store
+
+    @property
+    def settings(self) -> EngineSettings:
+        return self.session.settings
+
+    @property
+    def model_spec(self) -> str:
+        return self.session.model_spec
 
     def get_default_screen(self) -> Screen:
         return self.chat_screen
@@ -109,30 +104,14 @@ class GlydApp(App[None]):
         if error:
             self.notify(f"Key map not loaded: {error}", severity="error")
 
-    async def chat_screen_mounted(self) -> None:
-        """Open the last (or asked-for) chat and start the engine, once the chat screen exists."""
-        chat = None
-        wanted = self.open_chat_id
-        if wanted is None:
-            last = self.store.get_state("last_chat")
-            wanted = int(last) if last and last.isdigit() else None
-        if wanted is not None:
-            chat = next((c for c in self.store.chats() if c.id == wanted), None)
-        if chat is None:
-            chat = self.store.new_chat(model=self.model_spec)
-        await self.open_chat(chat.id)
+    def on_chat_screen_shown(self, _: ChatScreen.Shown) -> None:
         # After the first frame: spawning the child competes for the CPU with the first paint.
         self.call_after_refresh(self.start_engine, self.model_spec)
 
     async def open_chat(self, chat_id: int) -> None:
-        await self.chat_screen.show_chat(self.store.chat(chat_id))
-        self.store.set_state("last_chat", str(chat_id))
+        await self.chat_screen.show_chat(self.session.open(chat_id))
 
     # ------------------------------------------------------------------ engine lifecycle
-
-    @property
-    def engine_ready(self) -> bool:
-        return self.engine_state == "ready" and self.engine is not None
 
     @property
     def stats_bar(self) -> StatsBar:
@@ -140,11 +119,7 @@ class GlydApp(App[None]):
 
     def start_engine(self, spec: str, show_progress: bool = True) -> None:
         """Stop the running engine (if any) and start `spec`; progress shows on the start screen."""
-        self.generation += 1
-        self.model_spec = spec
-        self.engine_state = "starting"
-        self.ready_info = None
-        self.last_error = None
+        generation = self.session.begin_start(spec)
         bar = self.stats_bar
         bar.ready = None
         bar.stats = None  # the previous engine's last reply says nothing about this one
@@ -152,10 +127,10 @@ class GlydApp(App[None]):
         self.chat_screen.show_banner("")
         if show_progress:
             self.show_start_screen()
-        self._engine_start(spec, self.generation)
+        self._engine_start(spec, generation)
 
     def show_start_screen(self) -> None:
-        if self.start_screen is not None or self.engine_state != "starting":
+        if self.start_screen is not None or self.session.engine_state != "starting":
             return
         screen = StartScreen(_short(self.model_spec), clock=self.progress_clock)
         self.start_screen = screen
@@ -182,48 +157,21 @@ class GlydApp(App[None]):
         description="Starting the engine process",
     )
     def _engine_start(self, spec: str, generation: int) -> None:
-        """Shut the previous engine down (its child exits, freeing its memory), then spawn the new one.
-
-        Serialised by a lock: a second switch while the first is still spawning waits, then shuts
-        the first one down; a start that was superseded meanwhile does nothing.
-        """
-        with self._engine_lock:
-            old, self.engine = self.engine, None
-            if old is not None:
-                old.shutdown()
-            if generation != self.generation:
-                return
-            if self.install_if_missing:
-                self._install_engine_if_missing(generation)
-            client = make_client(self.engine_factory, self, generation)
-            self.engine = client
-            client.start(spec, self.settings)
-
-    def _install_engine_if_missing(self, generation: int) -> None:
-        from glyd_engine.engine.install import engine_available, install_engine
-
-        if engine_available():
-            return
-
-        def progress(ev: ProgressEvent) -> None:
-            self.post_message(EngineEvent(Progress(ev.job, ev.phase, ev.done, ev.total, ev.eta_s), generation))
-
-        install_engine(progress)
+        self.session.spawn(spec, generation, self)
 
     def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
         """The one place worker failures land: an engine that cannot even be spawned is a failed start."""
         if event.state != WorkerState.ERROR or event.worker.group != "engine":
             return
         error = event.worker.error
-        kind = "offline" if type(error).__name__ == "OfflineError" else "crash"
+        kind = OFFLINE if isinstance(error, OfflineError) else CRASH
         self.engine_failed(Error(f"{type(error).__name__}: {error}", kind, fatal=True))
 
     def cancel_start(self) -> None:
-        if self.engine_state != "starting":
+        if self.session.engine_state != "starting":
             return
-        self.engine_state = "stopping"
+        engine = self.session.begin_cancel()
         self.stats_bar.state = "start cancelled"
-        engine = self.engine
         if engine is not None:
             self.run_worker(
                 lambda: engine.cancel_start(),
@@ -234,12 +182,11 @@ class GlydApp(App[None]):
             )
 
     def engine_failed(self, error: Error) -> None:
-        self.engine_state = "failed"
-        self.last_error = error
+        self.session.engine_failed(error)
         self._close_start_screen()
         self.stats_bar.ready = None
         self.stats_bar.stats = None
-        cancelled = error.kind == "cancelled"
+        cancelled = error.kind == CANCELLED
         self.stats_bar.state = "start cancelled" if cancelled else f"failed ({error.kind}): {error.message}"
         what = "start cancelled" if cancelled else error.message
         self.chat_screen.show_banner(f"Engine: {what}  ·  Ctrl+R restarts, F2 picks another model")
@@ -258,18 +205,16 @@ class GlydApp(App[None]):
         self.push_screen(EngineFailed(error.kind, error.message, error.log_path), chosen)
 
     async def on_engine_event(self, message: EngineEvent) -> None:
-        if message.generation != self.generation:
+        if message.generation != self.session.generation:
             return  # from an engine that was replaced
         ev = message.event
-        chat = self.chat_screen
         if isinstance(ev, Progress):
             if self.start_screen is not None:
                 self.start_screen.show(ev)
             pct = f" {ev.fraction * 100:.0f}%" if ev.fraction is not None else ""
             self.stats_bar.state = f"starting {_short(self.model_spec)}: {ev.phase}{pct}"
         elif isinstance(ev, Ready):
-            self.engine_state = "ready"
-            self.ready_info = ev
+            self.session.engine_loaded(ev)
             self._close_start_screen()
             self.stats_bar.ready = ev
             self.stats_bar.stats = None
@@ -277,38 +222,28 @@ class GlydApp(App[None]):
             if ev.weights_dtype not in ("", "glyd", ev.dtype):
                 self.notify(f"{ev.name}'s weights are {ev.weights_dtype}; they run as {ev.dtype} (rounded on "
                             "load, so not bit-exact to the file)", severity="warning", timeout=10)
-            await chat.maybe_reply()
-        elif isinstance(ev, Delta):
-            await chat.on_delta(ev)
-        elif isinstance(ev, Stats):
-            chat.on_stats(ev)
-        elif isinstance(ev, Finished):
-            await chat.on_finished(ev)
+            await self.session.request_reply()
+        elif isinstance(ev, Delta | Stats | Finished):
+            await self.session.on_reply_event(ev)
         elif isinstance(ev, Error):
             if ev.fatal:
                 self.engine_failed(ev)
             else:
                 self.notify(ev.message, severity="error")
         elif isinstance(ev, Stopped):
-            self.engine = None if self.engine_state in ("failed", "stopping") else self.engine
-            if self.engine_state == "ready":
-                self.engine_failed(Error("The engine process exited.", "crash", fatal=True))
-            elif self.engine_state == "stopping":
-                self.engine_state = "stopped"
+            exited = self.session.engine_exited()
+            if exited == "unexpected":
+                self.engine_failed(Error("The engine process exited.", CRASH, fatal=True))
+            elif exited == "stopped":
                 self.stats_bar.state = "stopped"
 
-    # ------------------------------------------------------------------ used by the chat screen
+    # ------------------------------------------------------------------ asked for by other screens
 
-    def generate(self, messages: list[dict[str, str]], params: GenerationParams) -> str:
-        assert self.engine is not None
-        return self.engine.generate(messages, params)
+    def on_forget_model_dir(self, message: ForgetModelDir) -> None:
+        self.store.remove_model_dir(message.path)
 
-    def stop_generation(self) -> None:
-        if self.engine is not None:
-            self.engine.stop_generation()
-
-    def forget_model_dir(self, path: str) -> None:
-        self.store.remove_model_dir(path)
+    def on_export_chat(self, message: ExportChat) -> None:
+        self.export_chat(message.chat_id)
 
     def export_chat(self, chat_id: int) -> None:
         try:
@@ -367,10 +302,9 @@ class GlydApp(App[None]):
         if path.is_dir():
             spec = str(path.resolve())
             self.store.add_model_dir(spec)
-        if self.chat_screen.busy:
-            self.stop_generation()
-        if self.chat_screen.chat is not None:
-            self.store.update_chat(self.chat_screen.chat.id, model=spec)
+        self.session.stop_reply()
+        if self.session.chat is not None:
+            self.store.update_chat(self.session.chat.id, model=spec)
         self.start_engine(spec)
 
     def action_restart_engine(self) -> None:
@@ -379,7 +313,7 @@ class GlydApp(App[None]):
     def action_kv_mode(self) -> None:
         from glyd_app.screens.kv_mode import KVModeScreen
 
-        ready = self.ready_info
+        ready = self.session.ready_info
         in_force = ""
         if ready is not None:
             mode = "vLLM's own cache" if ready.kv_mode == "off" else f"Glyd {ready.kv_mode}"
@@ -403,11 +337,11 @@ class GlydApp(App[None]):
     def action_chats(self) -> None:
         from glyd_app.screens.chats import ChatList
 
-        current = self.chat_screen.chat.id if self.chat_screen.chat else None
+        current = self.session.chat.id if self.session.chat else None
 
         async def chosen(chat_id: int | None) -> None:
             if chat_id is not None and chat_id != current:
-                if self.chat_screen.busy:
+                if self.session.busy:
                     self.notify("A reply is streaming: Esc stops it first.", severity="warning")
                     return
                 await self.open_chat(chat_id)
@@ -415,7 +349,7 @@ class GlydApp(App[None]):
         self.push_screen(ChatList(self.store, current), chosen)
 
     async def on_chats_changed(self, message: ChatsChanged) -> None:
-        chat = self.chat_screen.chat
+        chat = self.session.chat
         if chat is None:
             return
         if message.deleted == chat.id:
@@ -426,10 +360,10 @@ class GlydApp(App[None]):
             self.chat_screen.retitle()
 
     async def action_new_chat(self) -> None:
-        if self.chat_screen.busy:
+        if self.session.busy:
             self.notify("A reply is streaming: Esc stops it first.", severity="warning")
             return
-        chat = self.chat_screen.chat
+        chat = self.session.chat
         if chat is not None and not self.store.messages(chat.id):
             self.notify("This chat is already empty.")
             return
@@ -448,7 +382,7 @@ class GlydApp(App[None]):
     def action_chat_settings(self) -> None:
         from glyd_app.screens.settings import ChatSettingsScreen
 
-        chat = self.chat_screen.chat
+        chat = self.session.chat
         if chat is None:
             return
 
@@ -465,17 +399,18 @@ class GlydApp(App[None]):
                 self.chat_screen.retitle()
                 self.notify("Chat settings saved")
 
-        defaults = self.ready_info.sampling_defaults if self.ready_info is not None else None
+        ready = self.session.ready_info
+        defaults = ready.sampling_defaults if ready is not None else None
         self.push_screen(ChatSettingsScreen(self.store.chat(chat.id), defaults), saved)
 
     def action_export(self) -> None:
-        if self.chat_screen.chat is not None:
-            self.export_chat(self.chat_screen.chat.id)
+        if self.session.chat is not None:
+            self.export_chat(self.session.chat.id)
 
     def action_rename_chat(self) -> None:
         from glyd_app.screens.dialogs import TextPrompt
 
-        chat = self.chat_screen.chat
+        chat = self.session.chat
         if chat is None:
             return
 
@@ -497,10 +432,10 @@ class GlydApp(App[None]):
         self.copy_to_clipboard(block)
         self.notify("Code block copied to the clipboard")
 
-    def palette_commands(self) -> list[tuple[str, str, object]]:
+    def palette_commands(self) -> list[Command]:
         from glyd_app.widgets.messages import code_blocks
 
-        commands: list[tuple[str, str, object]] = [
+        commands: list[Command] = [
             ("Switch model", "Pick another model; the chat stays", self.action_models),
             ("New chat", "Start an empty conversation", self.action_new_chat),
             ("Open chat…", "List, open, rename, delete, export chats", self.action_chats),
@@ -537,11 +472,7 @@ class GlydApp(App[None]):
 
     async def action_quit(self) -> None:
         """Save the reply in flight, shut the engine child down (so its memory is freed), exit."""
-        chat = self.chat_screen
-        if chat.reply_view is not None and chat.reply_id is not None:
-            self.store.update_message(chat.reply_id, content=chat.reply_view.content, status="stopped")
-        engine, self.engine = self.engine, None
-        self.engine_state = "stopping"
+        engine = self.session.stop_for_quit()
         if engine is not None:
             self.stats_bar.state = "shutting the engine down…"
             await asyncio.to_thread(engine.shutdown, 10.0)

@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol, cast
 
 from textual.command import DiscoveryHit, Hit, Hits, Provider
 
-if TYPE_CHECKING:
-    from glyd_app.app import GlydApp
+Command = tuple[str, str, Callable[[], object]]
+
+
+class HasPaletteCommands(Protocol):
+    """The app as the palette sees it: a list of (title, help, callback); no import of the app itself."""
+
+    def palette_commands(self) -> list[Command]: ...
 
 
 class GlydCommands(Provider):
-    def _commands(self) -> list[tuple[str, str, Callable[[], object]]]:
-        app: GlydApp = self.app  # type: ignore[assignment]
-        return app.palette_commands()
+    def _commands(self) -> list[Command]:
+        return cast(HasPaletteCommands, self.app).palette_commands()
 
     async def discover(self) -> Hits:
         for title, help_text, callback in self._commands():

@@ -28,6 +28,14 @@ class ChatsChanged(Message):
         self.deleted = deleted
 
 
+class ExportChat(Message):
+    """Export this chat (the app knows where exports go)."""
+
+    def __init__(self, chat_id: int) -> None:
+        super().__init__()
+        self.chat_id = chat_id
+
+
 class ChatList(ModalScreen[int | None]):
     BINDINGS = [
         Binding("escape", "dismiss_none", "Close"),
@@ -121,7 +129,7 @@ class ChatList(ModalScreen[int | None]):
     def action_export(self) -> None:
         chat = self.highlighted_chat()
         if chat is not None:
-            self.app.export_chat(chat.id)  # type: ignore[attr-defined]
+            self.app.post_message(ExportChat(chat.id))
 
     def action_dismiss_none(self) -> None:
         self.dismiss(None)

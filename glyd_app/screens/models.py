@@ -14,11 +14,20 @@ from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
+from textual.message import Message
 from textual.screen import ModalScreen
 from textual.widgets import Input, Label, OptionList
 from textual.widgets.option_list import Option
 
 from glyd_app.widgets.stats_bar import gib
+
+
+class ForgetModelDir(Message):
+    """The user removed a directory they had added; the app drops it from the store."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
 
 
 @dataclass(frozen=True)
@@ -130,7 +139,7 @@ class ModelPicker(ModalScreen[str | None]):
         if not entry.removable:
             self.notify("Only directories you added can be forgotten", severity="warning")
             return
-        self.app.forget_model_dir(entry.spec)  # type: ignore[attr-defined]
+        self.app.post_message(ForgetModelDir(entry.spec))
         self.user_dirs = [d for d in self.user_dirs if str(d) != entry.spec]
         self.load_models()
 

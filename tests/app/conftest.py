@@ -23,7 +23,7 @@ def glyd_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 @pytest.fixture
 def scripted_app(glyd_home: Path, tmp_path: Path) -> Callable[..., GlydApp]:
-    """A GlydApp on a ScriptedEngine: `scripted_app(Script(...))`; engines on `app.engine_factory.engines`."""
+    """A GlydApp on a ScriptedEngine: `scripted_app(Script(...))`; engines on `app.session.engine_factory.engines`."""
 
     def make(script: Script | None = None, store: Store | None = None, **kwargs: object) -> GlydApp:
         app = GlydApp(

@@ -41,20 +41,20 @@ def echo_app(glyd_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch): 
 async def test_crash_mid_reply_keeps_text_and_restart_works(echo_app) -> None:  # type: ignore[no-untyped-def]
     app = echo_app()
     async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: app.engine_state == "ready", 30, "ready")
+        await wait_for(pilot, lambda: app.session.engine_state == "ready", 30, "ready")
         await type_text(pilot, "please CRASH")
         await pilot.press("enter")
         await wait_for(pilot, lambda: isinstance(app.screen, EngineFailed), 30, "failure dialog")
         assert app.screen.kind == "crash" and "exit code 3" in app.screen.message  # type: ignore[attr-defined]
-        await wait_for(pilot, lambda: not app.chat_screen.busy, 10, "reply closed")
-        reply = app.store.messages(app.chat_screen.chat.id)[-1]  # type: ignore[union-attr]
+        await wait_for(pilot, lambda: not app.session.busy, 10, "reply closed")
+        reply = app.store.messages(app.session.chat.id)[-1]  # type: ignore[union-attr]
         assert reply.role == "assistant" and reply.status == "interrupted" and reply.content == "about to "
         await pilot.press("r")  # restart from the dialog
-        await wait_for(pilot, lambda: app.engine_state == "ready", 30, "ready again")
+        await wait_for(pilot, lambda: app.session.engine_state == "ready", 30, "ready again")
         await focus_input(pilot, app)
         await type_text(pilot, "hello again")
         await pilot.press("enter")
-        await wait_for(pilot, lambda: not app.chat_screen.busy and len(app.query(MessageView)) == 4, 30)
+        await wait_for(pilot, lambda: not app.session.busy and len(app.query(MessageView)) == 4, 30)
         assert "hello again" in list(app.query(MessageView))[-1].content
 
 
@@ -65,5 +65,5 @@ async def test_model_that_fails_to_load_shows_why(echo_app) -> None:  # type: ig
         assert app.screen.kind == "unsupported"  # type: ignore[attr-defined]
         assert "EchoForCausalLM is not supported" in app.screen.message  # type: ignore[attr-defined]
         await pilot.press("escape")
-        assert app.screen is app.chat_screen and app.engine_state == "failed"
+        assert app.screen is app.chat_screen and app.session.engine_state == "failed"
         await pilot.press("ctrl+q")

@@ -24,7 +24,7 @@ MakeApp = Callable[..., GlydApp]
 
 
 async def _ready(pilot, app: GlydApp) -> None:  # type: ignore[no-untyped-def]
-    await wait_for(pilot, lambda: app.engine_state == "ready", what="engine ready")
+    await wait_for(pilot, lambda: app.session.engine_state == "ready", what="engine ready")
 
 
 async def test_send_streams_a_reply_with_numbers_and_stores_it(scripted_app: MakeApp) -> None:
@@ -33,7 +33,7 @@ async def test_send_streams_a_reply_with_numbers_and_stores_it(scripted_app: Mak
         await _ready(pilot, app)
         await type_text(pilot, "Capital of France?")
         await pilot.press("enter")
-        await wait_for(pilot, lambda: not app.chat_screen.busy and len(app.query(MessageView)) == 2)
+        await wait_for(pilot, lambda: not app.session.busy and len(app.query(MessageView)) == 2)
         views = list(app.query(MessageView))
         assert [v.role for v in views] == ["user", "assistant"]
         assert "Paris" in views[1].content
@@ -41,12 +41,12 @@ async def test_send_streams_a_reply_with_numbers_and_stores_it(scripted_app: Mak
         text = bar.render().plain
         assert "gen 41.3 tok/s" in text and "TTFT 0.06 s" in text and "prompt 672 tok/s" in text
         assert "weights 179 MiB" in text and "KV 56/16,320 tok" in text and "Glyd lossless" in text
-        chat = app.chat_screen.chat
+        chat = app.session.chat
         assert chat is not None and chat.title == "Capital of France?"
         stored = app.store.messages(chat.id)
         assert [(m.role, m.status) for m in stored] == [("user", "done"), ("assistant", "done")]
         assert stored[1].stats["gen_tps"] == 41.3
-        engine = app.engine_factory.engines[-1]  # type: ignore[attr-defined]
+        engine = app.session.engine_factory.engines[-1]  # type: ignore[attr-defined]
         messages, params = engine.requests[0]
         assert messages == [{"role": "user", "content": "Capital of France?"}]
         assert params.max_tokens == 512
@@ -71,10 +71,10 @@ async def test_escape_stops_the_reply_and_keeps_the_text(scripted_app: MakeApp, 
         await _ready(pilot, app)
         await type_text(pilot, "tell me a story")
         await pilot.press("enter")
-        await wait_for(pilot, lambda: app.chat_screen.busy)
+        await wait_for(pilot, lambda: app.session.busy)
         await pilot.press(key)
-        await wait_for(pilot, lambda: not app.chat_screen.busy)
-        reply = app.store.messages(app.chat_screen.chat.id)[-1]  # type: ignore[union-attr]
+        await wait_for(pilot, lambda: not app.session.busy)
+        reply = app.store.messages(app.session.chat.id)[-1]  # type: ignore[union-attr]
         assert reply.status == "stopped" and "Paris" in reply.content
         assert "Stopped" in list(app.query(MessageView))[-1].note
 
@@ -91,11 +91,11 @@ async def test_message_typed_while_starting_is_sent_when_ready(scripted_app: Mak
         await type_text(pilot, "hello")
         await pilot.press("enter")
         await pilot.pause(0.1)
-        engine = app.engine_factory.engines[-1]  # type: ignore[attr-defined]
+        engine = app.session.engine_factory.engines[-1]  # type: ignore[attr-defined]
         assert engine.requests == []
         engine.on_event(READY)
-        await wait_for(pilot, lambda: len(engine.requests) == 1 and not app.chat_screen.busy)
-        assert app.store.messages(app.chat_screen.chat.id)[-1].role == "assistant"  # type: ignore[union-attr]
+        await wait_for(pilot, lambda: len(engine.requests) == 1 and not app.session.busy)
+        assert app.store.messages(app.session.chat.id)[-1].role == "assistant"  # type: ignore[union-attr]
 
 
 async def test_failed_start_shows_the_reason_and_app_stays_usable(scripted_app: MakeApp) -> None:
@@ -104,13 +104,13 @@ async def test_failed_start_shows_the_reason_and_app_stays_usable(scripted_app: 
         await wait_for(pilot, lambda: isinstance(app.screen, EngineFailed))
         assert app.screen.kind == "oom" and "not enough memory" in app.screen.message  # type: ignore[attr-defined]
         await pilot.press("escape")
-        assert app.engine_state == "failed"
+        assert app.session.engine_state == "failed"
         assert "not enough memory" in app.chat_screen.query_one("#banner").render().plain  # type: ignore[attr-defined]
         await type_text(pilot, "still here")
         await pilot.press("enter")
         await pilot.pause(0.1)
         # kept, not lost: the message waits in the chat for an engine
-        assert app.store.messages(app.chat_screen.chat.id)[-1].content == "still here"  # type: ignore[union-attr]
+        assert app.store.messages(app.session.chat.id)[-1].content == "still here"  # type: ignore[union-attr]
 
 
 async def test_switching_model_restarts_engine_and_keeps_history(scripted_app: MakeApp, tmp_path: Path) -> None:
@@ -122,18 +122,18 @@ async def test_switching_model_restarts_engine_and_keeps_history(scripted_app: M
         await _ready(pilot, app)
         await type_text(pilot, "first")
         await pilot.press("enter")
-        await wait_for(pilot, lambda: len(app.query(MessageView)) == 2 and not app.chat_screen.busy)
+        await wait_for(pilot, lambda: len(app.query(MessageView)) == 2 and not app.session.busy)
         await pilot.press("f2")
         await wait_for(pilot, lambda: app.screen.__class__.__name__ == "ModelPicker")
         await pilot.click("#model-input")
         await type_text(pilot, str(model_dir))
         await pilot.press("enter")
-        engines = app.engine_factory.engines  # type: ignore[attr-defined]
-        await wait_for(pilot, lambda: len(engines) == 2 and app.engine_state == "ready")
+        engines = app.session.engine_factory.engines  # type: ignore[attr-defined]
+        await wait_for(pilot, lambda: len(engines) == 2 and app.session.engine_state == "ready")
         assert not engines[0].running and engines[1].started[0][0] == str(model_dir.resolve())
         assert app.store.model_dirs() == [model_dir.resolve()]
         assert len(app.query(MessageView)) == 2  # the chat stayed
-        assert app.store.chat(app.chat_screen.chat.id).model == str(model_dir.resolve())  # type: ignore[union-attr]
+        assert app.store.chat(app.session.chat.id).model == str(model_dir.resolve())  # type: ignore[union-attr]
         await pilot.press("f2")
         await wait_for(pilot, lambda: app.screen.__class__.__name__ == "ModelPicker")
         await wait_for(pilot, lambda: len(app.screen.entries) >= 2)  # type: ignore[attr-defined]
@@ -147,10 +147,10 @@ async def test_chat_list_rename_export_delete_and_new_chat(scripted_app: MakeApp
         await _ready(pilot, app)
         await type_text(pilot, "about cats")
         await pilot.press("enter")
-        await wait_for(pilot, lambda: not app.chat_screen.busy and len(app.query(MessageView)) == 2)
-        first = app.chat_screen.chat.id  # type: ignore[union-attr]
+        await wait_for(pilot, lambda: not app.session.busy and len(app.query(MessageView)) == 2)
+        first = app.session.chat.id  # type: ignore[union-attr]
         await pilot.press("ctrl+n")
-        await wait_for(pilot, lambda: app.chat_screen.chat.id != first)  # type: ignore[union-attr]
+        await wait_for(pilot, lambda: app.session.chat.id != first)  # type: ignore[union-attr]
         assert len(app.query(MessageView)) == 0
         await pilot.press("f3")
         await wait_for(pilot, lambda: app.screen.__class__.__name__ == "ChatList")
@@ -166,7 +166,7 @@ async def test_chat_list_rename_export_delete_and_new_chat(scripted_app: MakeApp
         await wait_for(pilot, exported.exists)
         assert "about cats" in exported.read_text()
         await pilot.press("enter")  # open it
-        await wait_for(pilot, lambda: app.chat_screen.chat.id == first)  # type: ignore[union-attr]
+        await wait_for(pilot, lambda: app.session.chat.id == first)  # type: ignore[union-attr]
         assert len(app.query(MessageView)) == 2
         await pilot.press("f3")
         await wait_for(pilot, lambda: app.screen.__class__.__name__ == "ChatList")
@@ -175,7 +175,7 @@ async def test_chat_list_rename_export_delete_and_new_chat(scripted_app: MakeApp
         await pilot.press("y")
         await wait_for(pilot, lambda: all(c.id != first for c in app.store.chats()))
         await pilot.press("escape")
-        await wait_for(pilot, lambda: app.chat_screen.chat.id != first)  # type: ignore[union-attr]
+        await wait_for(pilot, lambda: app.session.chat.id != first)  # type: ignore[union-attr]
 
 
 async def test_chat_settings_reach_the_engine(scripted_app: MakeApp) -> None:
@@ -195,7 +195,7 @@ async def test_chat_settings_reach_the_engine(scripted_app: MakeApp) -> None:
         await focus_input(pilot, app)
         await type_text(pilot, "hi")
         await pilot.press("enter")
-        engine = app.engine_factory.engines[-1]  # type: ignore[attr-defined]
+        engine = app.session.engine_factory.engines[-1]  # type: ignore[attr-defined]
         await wait_for(pilot, lambda: len(engine.requests) == 1)
         params = engine.requests[0][1]
         assert (params.system_prompt, params.temperature, params.max_tokens) == ("Answer in French.", 0.2, 64)
@@ -223,10 +223,10 @@ async def test_palette_help_and_remapped_key(scripted_app: MakeApp, glyd_home: P
         await _ready(pilot, app)
         await type_text(pilot, "x")
         await pilot.press("enter")
-        await wait_for(pilot, lambda: not app.chat_screen.busy and len(app.query(MessageView)) == 2)
-        first = app.chat_screen.chat.id  # type: ignore[union-attr]
+        await wait_for(pilot, lambda: not app.session.busy and len(app.query(MessageView)) == 2)
+        first = app.session.chat.id  # type: ignore[union-attr]
         await pilot.press("ctrl+b")
-        await wait_for(pilot, lambda: app.chat_screen.chat.id != first)  # type: ignore[union-attr]
+        await wait_for(pilot, lambda: app.session.chat.id != first)  # type: ignore[union-attr]
         await pilot.press("f1")
         await wait_for(pilot, lambda: app.screen.__class__.__name__ == "HelpScreen")
         rows = {k: i for k, _, i in app.screen.rows}  # type: ignore[attr-defined]
@@ -250,7 +250,7 @@ async def test_copy_message_and_code_block(scripted_app: MakeApp) -> None:
         await _ready(pilot, app)
         await type_text(pilot, "code please")
         await pilot.press("enter")
-        await wait_for(pilot, lambda: not app.chat_screen.busy and len(app.query(MessageView)) == 2)
+        await wait_for(pilot, lambda: not app.session.busy and len(app.query(MessageView)) == 2)
         reply = list(app.query(MessageView))[-1]
         reply.focus()
         await pilot.press("b")
@@ -262,7 +262,7 @@ async def test_quit_shuts_the_engine_down(scripted_app: MakeApp) -> None:
     app = scripted_app()
     async with app.run_test(size=SIZE) as pilot:
         await _ready(pilot, app)
-        engine = app.engine_factory.engines[-1]  # type: ignore[attr-defined]
+        engine = app.session.engine_factory.engines[-1]  # type: ignore[attr-defined]
         await pilot.press("ctrl+q")
         await pilot.pause(0.1)
     assert not engine.running
@@ -280,17 +280,17 @@ async def test_quick_successive_switches_leave_one_engine(scripted_app: MakeApp,
         await _ready(pilot, app)
         app.switch_model(str(dirs[0]))
         app.switch_model(str(dirs[1]))
-        engines = app.engine_factory.engines  # type: ignore[attr-defined]
+        engines = app.session.engine_factory.engines  # type: ignore[attr-defined]
         await wait_for(
             pilot,
             lambda: (
-                app.engine_state == "ready"
-                and app.engine is not None
-                and app.engine.started[-1][0] == str(dirs[1].resolve())
+                app.session.engine_state == "ready"
+                and app.session.engine is not None
+                and app.session.engine.started[-1][0] == str(dirs[1].resolve())
             ),
         )  # type: ignore[attr-defined]
         await pilot.pause(0.2)
-        assert [e for e in engines if e.running] == [app.engine]
+        assert [e for e in engines if e.running] == [app.session.engine]
 
 
 async def test_kv_mode_is_chosen_in_the_app_saved_and_the_engine_restarts(scripted_app: MakeApp,
@@ -310,8 +310,8 @@ async def test_kv_mode_is_chosen_in_the_app_saved_and_the_engine_restarts(script
         texts = [str(options.get_option_at_index(i).prompt) for i in range(options.option_count)]
         assert any("lossless" in t and "KV tables" in t and "slower" in t for t in texts), texts
         await pilot.press("up", "up", "enter")  # from the current mode (off, the fixture's) to lossless
-        engines = app.engine_factory.engines  # type: ignore[attr-defined]
-        await wait_for(pilot, lambda: len(engines) == 2 and app.engine_state == "ready")
+        engines = app.session.engine_factory.engines  # type: ignore[attr-defined]
+        await wait_for(pilot, lambda: len(engines) == 2 and app.session.engine_state == "ready")
         assert engines[-1].started[-1][1].kv == "lossless" and app.settings.kv == "lossless"
     text = config_path().read_text()
     assert text.startswith("# mine\n[engine]\n") and 'kv = "lossless"' in text and "max_model_len = 2048" in text
@@ -337,12 +337,12 @@ async def test_regenerate_and_edit_the_last_message(scripted_app: MakeApp) -> No
         await _ready(pilot, app)
         await type_text(pilot, "Capital of France?")
         await pilot.press("enter")
-        chat_id = app.chat_screen.chat.id  # type: ignore[union-attr]
-        await wait_for(pilot, lambda: len(app.store.messages(chat_id)) == 2 and not app.chat_screen.busy)
+        chat_id = app.session.chat.id  # type: ignore[union-attr]
+        await wait_for(pilot, lambda: len(app.store.messages(chat_id)) == 2 and not app.session.busy)
         first_reply = app.store.messages(chat_id)[1].created
-        engine = app.engine_factory.engines[-1]  # type: ignore[attr-defined]
+        engine = app.session.engine_factory.engines[-1]  # type: ignore[attr-defined]
         await pilot.press("ctrl+g")
-        await wait_for(pilot, lambda: len(engine.requests) == 2 and not app.chat_screen.busy)
+        await wait_for(pilot, lambda: len(engine.requests) == 2 and not app.session.busy)
         stored = app.store.messages(chat_id)
         assert [m.role for m in stored] == ["user", "assistant"] and stored[1].created > first_reply
         assert engine.requests[1][0] == engine.requests[0][0]  # the same conversation, asked again
@@ -352,7 +352,7 @@ async def test_regenerate_and_edit_the_last_message(scripted_app: MakeApp) -> No
         assert app.store.messages(chat_id) == [] and len(app.query(MessageView)) == 0
         await type_text(pilot, " And of Italy?")
         await pilot.press("enter")
-        await wait_for(pilot, lambda: len(engine.requests) == 3 and not app.chat_screen.busy)
+        await wait_for(pilot, lambda: len(engine.requests) == 3 and not app.session.busy)
         assert engine.requests[2][0] == [{"role": "user", "content": "Capital of France? And of Italy?"}]
 
 
@@ -361,7 +361,7 @@ async def test_a_cancelled_start_reads_as_cancelled_not_failed(scripted_app: Mak
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: isinstance(app.screen, StartScreen))
         await pilot.press("ctrl+x")
-        await wait_for(pilot, lambda: app.engine_state == "failed")
+        await wait_for(pilot, lambda: app.session.engine_state == "failed")
         await pilot.pause(0.1)
         bar = app.chat_screen.query_one(StatsBar).render().plain
         assert "engine: start cancelled" in bar and "failed" not in bar and "Cancelled:" not in bar

@@ -72,8 +72,8 @@ def _app(env: dict[str, Path], **kwargs: object) -> GlydApp:
 
 
 async def _ready(pilot, app: GlydApp) -> None:  # type: ignore[no-untyped-def]
-    await wait_for(pilot, lambda: app.engine_state in ("ready", "failed"), START_TIMEOUT, "engine start")
-    assert app.engine_state == "ready", app.last_error
+    await wait_for(pilot, lambda: app.session.engine_state in ("ready", "failed"), START_TIMEOUT, "engine start")
+    assert app.session.engine_state == "ready", app.session.last_error
 
 
 async def _send(pilot, app: GlydApp, text: str) -> MessageView:  # type: ignore[no-untyped-def]
@@ -81,13 +81,13 @@ async def _send(pilot, app: GlydApp, text: str) -> MessageView:  # type: ignore[
     box = app.chat_screen.query_one(ChatInput)
     await type_text(pilot, text)
     await wait_for(pilot, lambda: box.text == text, 10, f"the input holding {text!r} (it holds {box.text!r})")
-    chat_id = app.chat_screen.chat.id  # type: ignore[union-attr]
+    chat_id = app.session.chat.id  # type: ignore[union-attr]
     before = len(app.store.messages(chat_id))
     await pilot.press("enter")
     # the user's message and the reply's row are stored when the reply starts; a short reply can also be over
     # between two polls, so "busy" alone may never be seen
     await wait_for(pilot, lambda: len(app.store.messages(chat_id)) >= before + 2, 30, "reply started")
-    await wait_for(pilot, lambda: not app.chat_screen.busy, REPLY_TIMEOUT, "reply finished")
+    await wait_for(pilot, lambda: not app.session.busy, REPLY_TIMEOUT, "reply finished")
     return list(app.query(MessageView))[-1]
 
 
@@ -95,7 +95,7 @@ async def test_chat_stop_switch_and_back_on_the_real_engine(real_env: dict[str, 
     app = _app(real_env)
     async with app.run_test(size=SIZE) as pilot:
         await _ready(pilot, app)
-        ready = app.ready_info
+        ready = app.session.ready_info
         assert ready is not None and ready.device == "cpu" and ready.kv_capacity_tokens > 1000
         assert f"{len(os.sched_getaffinity(0))} threads" in ready.engine  # every core, not vLLM's one
         assert ready.sampling_defaults.get("temperature") == 0.0  # the demo's generation_config: greedy
@@ -108,7 +108,7 @@ async def test_chat_stop_switch_and_back_on_the_real_engine(real_env: dict[str, 
         assert "gen " in bar and "tok/s" in bar and "TTFT" in bar and "– tok/s" not in bar.split("·")[1]
         assert "weights " in bar and ("MiB" in bar or "GiB" in bar) and " RAM " in bar
         assert f"/{ready.kv_capacity_tokens:,} tok" in bar and "KV mode" in bar
-        chat_id = app.chat_screen.chat.id  # type: ignore[union-attr]
+        chat_id = app.session.chat.id  # type: ignore[union-attr]
         stored = app.store.messages(chat_id)
         assert stored[-1].status in ("done", "length") and stored[-1].stats.get("gen_tps")
 
@@ -118,12 +118,12 @@ async def test_chat_stop_switch_and_back_on_the_real_engine(real_env: dict[str, 
         await pilot.press("enter")
         await wait_for(
             pilot,
-            lambda: app.chat_screen.reply_view is not None and len(app.chat_screen.reply_view.content) > 20,
+            lambda: app.session.reply is not None and len(app.session.reply.text) > 20,
             REPLY_TIMEOUT,
             "some tokens",
         )
         await pilot.press("escape")
-        await wait_for(pilot, lambda: not app.chat_screen.busy, 60, "stopped")
+        await wait_for(pilot, lambda: not app.session.busy, 60, "stopped")
         stopped = app.store.messages(chat_id)[-1]
         assert stopped.status == "stopped" and len(stopped.content) > 20
         assert stopped.stats["generated_tokens"] < 512
@@ -139,27 +139,27 @@ async def test_chat_stop_switch_and_back_on_the_real_engine(real_env: dict[str, 
         assert progress.ttft_s is None and progress.prompt_done < progress.prompt_tokens  # type: ignore[union-attr]
         assert "reading the prompt" in bar_widget.render().plain
         await pilot.press("escape")
-        await wait_for(pilot, lambda: not app.chat_screen.busy, 60, "stopped while reading the prompt")
+        await wait_for(pilot, lambda: not app.session.busy, 60, "stopped while reading the prompt")
         stopped = app.store.messages(chat_id)[-1]
         assert stopped.status == "stopped" and stopped.stats["generated_tokens"] == 0
 
         # 3. switch to a second model and back; the chat stays on screen, the old numbers do not
         before = len(app.query(MessageView))
-        first_pid = app.engine.pid  # type: ignore[union-attr]
+        first_pid = app.session.engine.pid  # type: ignore[union-attr]
         app.switch_model(str(real_env["second"]))
         assert bar_widget.stats is None and "prompt – tok/s" in bar_widget.render().plain
-        await wait_for(pilot, lambda: app.engine_state == "starting", 10)
+        await wait_for(pilot, lambda: app.session.engine_state == "starting", 10)
         await _ready(pilot, app)
-        assert app.ready_info is not None and Path(app.ready_info.path) == real_env["second"].resolve()
+        assert app.session.ready_info is not None and Path(app.session.ready_info.path) == real_env["second"].resolve()
         assert _gone(first_pid)
         assert len(app.query(MessageView)) == before
         reply = await _send(pilot, app, "Say hello.")
         assert reply.content.strip()
         app.switch_model("demo")
-        await wait_for(pilot, lambda: app.engine_state == "starting", 10)
+        await wait_for(pilot, lambda: app.session.engine_state == "starting", 10)
         await _ready(pilot, app)
-        assert app.ready_info is not None and app.ready_info.model == "demo"
-        last_pid = app.engine.pid  # type: ignore[union-attr]
+        assert app.session.ready_info is not None and app.session.ready_info.model == "demo"
+        last_pid = app.session.engine.pid  # type: ignore[union-attr]
         await pilot.press("ctrl+q")
     assert _gone(last_pid)
 
@@ -169,13 +169,13 @@ async def test_quit_start_again_find_and_continue_the_chat(real_env: dict[str, P
     async with app.run_test(size=SIZE) as pilot:
         await _ready(pilot, app)
         await _send(pilot, app, "My name is Ada. Remember it.")
-        chat_id = app.chat_screen.chat.id  # type: ignore[union-attr]
+        chat_id = app.session.chat.id  # type: ignore[union-attr]
         await pilot.press("ctrl+q")
 
     again = _app(real_env)
     async with again.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: again.chat_screen.chat is not None, 10)
-        assert again.chat_screen.chat.id == chat_id  # type: ignore[union-attr]  # reopens the last chat
+        await wait_for(pilot, lambda: again.session.chat is not None, 10)
+        assert again.session.chat.id == chat_id  # type: ignore[union-attr]  # reopens the last chat
         assert len(again.query(MessageView)) == 2  # shown before the engine is even ready
         await wait_for(pilot, lambda: again.screen.__class__.__name__ == "StartScreen", 10)
         await pilot.press("escape")  # hide the start progress; the app is usable while the engine loads

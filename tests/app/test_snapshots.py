@@ -96,10 +96,10 @@ def test_chat_with_a_streamed_reply_and_numbers(make, snap_compare) -> None:  # 
     app = make()
 
     async def before(pilot: Pilot) -> None:
-        await wait_for(pilot, lambda: app.engine_state == "ready")
+        await wait_for(pilot, lambda: app.session.engine_state == "ready")
         await type_text(pilot, "What is the capital of France?")
         await pilot.press("enter")
-        await wait_for(pilot, lambda: not app.chat_screen.busy and app.chat_screen.last_reply() is not None)
+        await wait_for(pilot, lambda: not app.session.busy and app.chat_screen.last_reply() is not None)
         await _no_toasts(pilot)
         await _steady(pilot)
 
@@ -112,7 +112,7 @@ def test_model_picker(make, snap_compare, tmp_path: Path) -> None:  # type: igno
     app = make(store=store)
 
     async def before(pilot: Pilot) -> None:
-        await wait_for(pilot, lambda: app.engine_state == "ready")
+        await wait_for(pilot, lambda: app.session.engine_state == "ready")
         await _no_toasts(pilot)
         await _steady(pilot)  # freeze the chat input's cursor before a screen covers it
         await pilot.press("f2")
@@ -162,7 +162,7 @@ def test_chat_list(
     app = make(store=store)
 
     async def before(pilot: Pilot) -> None:
-        await wait_for(pilot, lambda: app.engine_state == "ready")
+        await wait_for(pilot, lambda: app.session.engine_state == "ready")
         await _no_toasts(pilot)
         await _steady(pilot)  # freeze the chat input's cursor before a screen covers it
         await pilot.press("f3")
@@ -176,7 +176,7 @@ def test_help(make, snap_compare) -> None:  # type: ignore[no-untyped-def]
     app = make()
 
     async def before(pilot: Pilot) -> None:
-        await wait_for(pilot, lambda: app.engine_state == "ready")
+        await wait_for(pilot, lambda: app.session.engine_state == "ready")
         await _no_toasts(pilot)
         await _steady(pilot)  # freeze the chat input's cursor before a screen covers it
         await pilot.press("f1")
