@@ -56,10 +56,10 @@ def test_no_module_under_glyd_engine_imports_textual_or_the_app() -> None:
 # ---------------------------------------------------------------- the app's own layering
 
 APP = ROOT / "glyd_app"
-# What screens and widgets may know of glyd_engine: the protocol's plain data and the model catalogue
-# (names, the demo id; the picker lists it). The engine client, the runner and its errors stay behind
-# the session and the app.
-APP_CONTRACT = ("glyd_engine.engine.protocol", "glyd_engine.models")
+# What screens and widgets may know of glyd_engine: the protocol's plain data, the KV modes' names and
+# the model catalogue (names, the demo id; the picker lists it). The engine client, the runner and its
+# errors stay behind the session and the app.
+APP_CONTRACT = ("glyd_engine.engine.protocol", "glyd_engine.kv_mode", "glyd_engine.models")
 
 
 def _module_name(path: Path) -> str:
