@@ -7,15 +7,11 @@ and the app picks a dialog title by: the kind travels as data, never guessed fro
 
 from __future__ import annotations
 
-from typing import ClassVar, Final
+from typing import ClassVar, Final, Literal, get_args
 
-OOM: Final = "oom"
-UNSUPPORTED: Final = "unsupported"
-REFUSED: Final = "refused"
-OFFLINE: Final = "offline"
-CANCELLED: Final = "cancelled"
-CRASH: Final = "crash"
-KINDS: Final = (OOM, UNSUPPORTED, REFUSED, OFFLINE, CANCELLED, CRASH)
+ErrorKind = Literal["oom", "unsupported", "refused", "offline", "cancelled", "crash"]
+KINDS: Final[tuple[str, ...]] = get_args(ErrorKind)
+OOM, UNSUPPORTED, REFUSED, OFFLINE, CANCELLED, CRASH = KINDS
 
 
 class GlydError(Exception):

@@ -114,12 +114,9 @@ def test_errors_are_classified_for_the_user() -> None:
         assert user_message(outer) == "the real reason"
 
 
-def test_every_error_kind_is_one_the_protocol_names() -> None:
-    from typing import get_args
-
+def test_every_error_class_carries_a_kind_the_protocol_names() -> None:
     from glyd_engine import errors
 
-    assert set(errors.KINDS) == set(get_args(p.ErrorKind))
     classes = [c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, errors.GlydError)]
     assert classes and all(c.kind in errors.KINDS for c in classes)
 

@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 from glyd_engine.kv_mode import KVMode
 from glyd_engine.progress import ProgressEvent
 
 PROTOCOL_VERSION = 1
-
-ErrorKind = Literal["oom", "unsupported", "refused", "offline", "cancelled", "crash"]
 
 
 @dataclass
