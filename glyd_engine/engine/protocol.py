@@ -11,6 +11,7 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar
 
+from glyd_engine.errors import ErrorKind
 from glyd_engine.kv_mode import KVMode
 from glyd_engine.progress import ProgressEvent
 
@@ -189,7 +190,7 @@ class Error(Event):
 
     event: ClassVar[str] = "error"
     message: str = ""
-    kind: str = "crash"
+    kind: ErrorKind = "crash"
     fatal: bool = True
     id: str | None = None
     log_path: str | None = None
