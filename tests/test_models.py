@@ -9,14 +9,17 @@ from pathlib import Path
 
 import pytest
 
-from glyd_engine import models
+from glyd_engine import models, paths
 from glyd_engine.cli import main as cli_main
 from glyd_engine.errors import GlydError, OfflineError
 from glyd_engine.models import (
     MARKER,
+    demo,
+    display_name,
     list_local_models,
     model_dtype_report,
     model_fingerprint,
+    resolve_local,
     resolve_model,
 )
 from glyd_engine.progress import Cancelled, CancelToken, ProgressEvent
@@ -87,7 +90,7 @@ def test_demo_model_answers_paris(demo_model_dir: Path) -> None:
 @pytest.mark.slow
 def test_demo_resolves_without_rebuilding(demo_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GLYD_HOME", str(demo_model_dir.parents[2]))
-    monkeypatch.setattr(models, "build_demo_model", lambda *a, **k: pytest.fail("rebuilt"))
+    monkeypatch.setattr(demo, "build_demo_model", lambda *a, **k: pytest.fail("rebuilt"))
     assert resolve_model("demo") == demo_model_dir
     kinds = {m.name: m.kind for m in list_local_models()}
     assert kinds[models.DEMO_NAME] == "demo"
@@ -101,7 +104,7 @@ def test_a_demo_of_the_previous_recipe_gets_its_sampling_defaults_without_a_rebu
     (target / "model.safetensors").write_bytes(b"\x02\x00\x00\x00\x00\x00\x00\x00{}")
     (target / "generation_config.json").write_text('{"eos_token_id": 2}')
     (target / models.MARKER).write_text(json.dumps({"kind": "demo", "recipe": 1}))
-    monkeypatch.setattr(models, "build_demo_model", lambda *a, **k: pytest.fail("rebuilt"))
+    monkeypatch.setattr(demo, "build_demo_model", lambda *a, **k: pytest.fail("rebuilt"))
     assert models.ensure_demo_model() == target
     generation = json.loads((target / "generation_config.json").read_text())
     assert generation == {"eos_token_id": 2, **models.DEMO_GENERATION}
@@ -119,8 +122,8 @@ def test_the_first_start_needs_no_network_after_make(tmp_path: Path, monkeypatch
     (wheel_dir / models.DEMO_WHEEL_FILE).write_bytes(b"PK")
     monkeypatch.setattr(sys, "prefix", str(prefix))
     monkeypatch.delenv(models.DEMO_WHEEL_ENV, raising=False)
-    monkeypatch.setattr(models.subprocess, "Popen", lambda *a, **k: pytest.fail("pip ran: the network was used"))
-    assert models._demo_wheel(tmp_path, lambda ev: None, None) == wheel_dir / models.DEMO_WHEEL_FILE
+    monkeypatch.setattr(demo.subprocess, "Popen", lambda *a, **k: pytest.fail("pip ran: the network was used"))
+    assert demo._demo_wheel(tmp_path, lambda ev: None, None) == wheel_dir / models.DEMO_WHEEL_FILE
 
 
 def test_interrupted_demo_build_leaves_nothing(home: Path, tmp_path: Path,
@@ -247,8 +250,36 @@ def test_hub_download_is_published_whole(home: Path, monkeypatch: pytest.MonkeyP
     assert resolve_model("org/tiny") == path  # second time: no network
 
 
+def test_resolve_local_never_downloads_or_builds(home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the vLLM plugin resolves with: a directory, Glyd's download of a hub id, or the hub's cache."""
+    cache = tmp_path / "hf-cache"
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr("huggingface_hub.HfApi.model_info", lambda *a, **k: pytest.fail("the network was used"))
+    monkeypatch.setattr(demo, "build_demo_model", lambda *a, **k: pytest.fail("built"))
+    model = _fake_model(tmp_path / "m")
+    assert resolve_local(str(model)) == model.resolve()
+    with pytest.raises(GlydError, match="has not been downloaded"):
+        resolve_local("org/tiny")
+    downloaded = _fake_model(models.hub_model_path("org/tiny"))
+    assert resolve_local("org/tiny") == downloaded.resolve()
+    (cache / "models--org--cached" / "refs").mkdir(parents=True)  # where vLLM, given the id, downloads
+    (cache / "models--org--cached" / "refs" / "main").write_text("c0ffee")
+    snapshot = _fake_model(cache / "models--org--cached" / "snapshots" / "c0ffee")
+    assert resolve_local("org/cached") == snapshot.resolve()
+    with pytest.raises(GlydError, match="not a directory"):
+        resolve_local("demo")  # not built yet, and not built here
+    with pytest.raises(GlydError, match="does not exist"):
+        resolve_local(str(tmp_path / "nope"))
+
+
+def test_display_names() -> None:
+    assert display_name("demo") == display_name("") == f"{models.DEMO_NAME} (demo)"
+    assert display_name("org/tiny", Path("/m/org--tiny")) == "org--tiny"
+    assert display_name("org/tiny") == "org/tiny"
+
+
 def test_list_kinds_and_sizes(home: Path) -> None:
-    root = models.paths.models_dir()
+    root = paths.models_dir()
     _fake_model(root / "packed", quant="glyd")
     _fake_model(root / "plain")
     _fake_model(root / ".plain.partial")  # in progress: invisible
@@ -268,12 +299,12 @@ def test_garbage_id_is_an_error() -> None:
 def test_cli_list_and_path(home: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["models", "list"]) == 0
     assert "no models" in capsys.readouterr().out
-    _fake_model(models.paths.models_dir() / "plain")
+    _fake_model(paths.models_dir() / "plain")
     assert cli_main(["models", "list"]) == 0
     out = capsys.readouterr().out
     assert "NAME" in out and "plain" in out and "downloaded" in out
-    assert cli_main(["models", "path", str(models.paths.models_dir() / "plain")]) == 0
-    assert capsys.readouterr().out.strip() == str(models.paths.models_dir() / "plain")
+    assert cli_main(["models", "path", str(paths.models_dir() / "plain")]) == 0
+    assert capsys.readouterr().out.strip() == str(paths.models_dir() / "plain")
 
 
 def test_cli_errors_are_clean(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -40,7 +40,7 @@ class ModelEntry:
 
 def find_models(user_dirs: list[Path]) -> list[ModelEntry]:
     """Every model the picker offers, demo first; cheap imports only (no torch)."""
-    from glyd_engine.models import DEMO_MODEL_ID, DEMO_NAME, list_local_models
+    from glyd_engine.models import DEMO_MODEL_ID, display_name, list_local_models
 
     try:
         local = list_local_models()
@@ -48,7 +48,7 @@ def find_models(user_dirs: list[Path]) -> list[ModelEntry]:
         local = []
     demo = next((m for m in local if m.kind == "demo"), None)
     detail = f"built in · ready · {gib(demo.size_bytes)}" if demo else "built in, built on first use"
-    entries = [ModelEntry(DEMO_MODEL_ID, f"{DEMO_NAME} (demo)", detail)]
+    entries = [ModelEntry(DEMO_MODEL_ID, display_name(DEMO_MODEL_ID), detail)]
     seen: set[str] = set()
     for m in local:
         if m.kind == "demo":

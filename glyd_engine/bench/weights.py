@@ -16,7 +16,7 @@ from glyd_engine.bench.kv import DEFAULT_KV_BYTES, bits_equal, run_engine
 def packed_copy(model: Path) -> Path:
     """The model's Glyd checkpoint in the cache, packed on first use (keyed by the source's fingerprint)."""
     from glyd_engine.format.checkpoint import is_glyd_checkpoint, pack_model
-    from glyd_engine.models import model_fingerprint
+    from glyd_engine.format.fingerprint import model_fingerprint
     from glyd_engine.paths import cache_dir
     from glyd_engine.progress import print_progress
 

@@ -6,17 +6,15 @@ the one Glyd's vLLM plugin decided for the engine (`glyd_engine.vllm_plugin.kv_s
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-log = logging.getLogger("glyd.engine")
+from glyd_engine.format.safetensors_header import DTYPES, FLOATS, read_header
 
-_FLOATS = {"BF16", "F16", "F32", "F64"}
+log = logging.getLogger("glyd.engine")
 
 
 @dataclass(frozen=True)
@@ -25,14 +23,6 @@ class WeightsReport:
     bf16_bytes: int  # what the same weights take in bf16
     dtype: str = "bfloat16"  # what the checkpoint holds: its float tensors' dtype (most bytes), or "glyd"
     file_bytes: int = 0  # what the checkpoint's tensors take on disk
-
-_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64"}
-
-
-def _safetensors_header(path: Path) -> dict[str, Any]:
-    with open(path, "rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        return json.loads(f.read(size))
 
 
 def weights_report(model_dir: Path, resident_bytes: int | None = None, run_bytes: int = 2) -> WeightsReport:
@@ -46,9 +36,7 @@ def weights_report(model_dir: Path, resident_bytes: int | None = None, run_bytes
     plain = packed = bf16 = on_disk = 0
     by_dtype: dict[str, int] = {}
     for file in sorted(Path(model_dir).glob("*.safetensors")):
-        for name, info in _safetensors_header(file).items():
-            if name == "__metadata__":
-                continue
+        for name, info in read_header(file).items():
             begin, end = info["data_offsets"]
             on_disk += end - begin
             numel = 1
@@ -58,7 +46,7 @@ def weights_report(model_dir: Path, resident_bytes: int | None = None, run_bytes
                 packed += end - begin
                 bf16 += 2 * numel if name.endswith("_glyd_sm") else 0
                 by_dtype["glyd"] = by_dtype.get("glyd", 0) + end - begin
-            elif info["dtype"] in _FLOATS:
+            elif info["dtype"] in FLOATS:
                 plain += numel * run_bytes
                 bf16 += numel * 2
                 by_dtype[info["dtype"]] = by_dtype.get(info["dtype"], 0) + end - begin
@@ -67,7 +55,7 @@ def weights_report(model_dir: Path, resident_bytes: int | None = None, run_bytes
                 bf16 += end - begin
     main = max(by_dtype, key=by_dtype.__getitem__) if by_dtype else "BF16"
     held = plain + (packed if resident_bytes is None else resident_bytes)
-    return WeightsReport(held, bf16, _NAMES.get(main, main), on_disk)
+    return WeightsReport(held, bf16, DTYPES[main].torch_name if main in DTYPES else main, on_disk)
 
 
 @dataclass(frozen=True)

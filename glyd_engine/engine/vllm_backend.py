@@ -33,6 +33,7 @@ from glyd_engine.engine.protocol import (
     Stats,
 )
 from glyd_engine.engine.report import kv_report, rss_bytes, weights_report
+from glyd_engine.models.resolve import display_name
 
 log = logging.getLogger("glyd.engine")
 
@@ -204,7 +205,7 @@ class VllmBackend:
         archs = getattr(vc.model_config.hf_config, "architectures", None) or [""]
         return Ready(
             model=self.model,
-            name=_display_name(self.model, self.model_dir),
+            name=display_name(self.model, self.model_dir),
             path=str(self.model_dir),
             architecture=archs[0],
             device="cpu" if cpu else "cuda",
@@ -353,9 +354,3 @@ def _threads() -> int:
     import torch
 
     return int(torch.get_num_threads())
-
-
-def _display_name(model: str, model_dir: Path) -> str:
-    if model in ("", "demo"):
-        return "SmolLM2-135M-Instruct (demo)"
-    return Path(model_dir).name or model

@@ -23,7 +23,8 @@ import torch
 from glyd_engine.atomic import atomic_dir
 from glyd_engine.errors import CorruptFileError, GlydError, MismatchError, UnsupportedModelError
 from glyd_engine.format import FORMAT_VERSION, weights
-from glyd_engine.models import SAFETENSORS_ITEM_BYTES
+from glyd_engine.format.fingerprint import model_fingerprint
+from glyd_engine.format.safetensors_header import DTYPES, FLOATS, read_header
 from glyd_engine.progress import CancelToken, PhaseTimer, ProgressCallback, no_progress
 
 MIN_PACKED_VALUES = 4096  # smaller tensors (norms, biases) stay plain: their tables would cost more
@@ -32,15 +33,6 @@ INDEX = "model.safetensors.index.json"
 SHARD_BYTES_KEY = "shard_bytes"  # index metadata: file name -> its size in bytes
 PLAIN_CRC_KEY = "glyd_plain_crc32"
 QUANT_METHOD = "glyd"
-
-
-def read_header(path: Path) -> dict[str, dict]:
-    """A safetensors file's tensor entries (name -> dtype, shape, data_offsets), read without torch."""
-    from glyd_engine.models import read_safetensors_header
-
-    header, _ = read_safetensors_header(path)
-    header.pop("__metadata__", None)
-    return header
 
 
 def source_files(model_dir: Path) -> list[Path]:
@@ -75,7 +67,7 @@ def check_source(model_dir: Path) -> dict[str, tuple[Path, dict]]:
                 raise UnsupportedModelError(f"tensor {name} in {path.name} uses Glyd's reserved suffix "
                                             f"'{weights.SUFFIX}'; rename it before packing")
             dtype, shape = info["dtype"], info["shape"]
-            if dtype in ("F32", "F16", "F64") and len(shape) >= 2:
+            if dtype in FLOATS - {"BF16"} and len(shape) >= 2:
                 raise UnsupportedModelError(
                     f"{name} is {dtype}: Glyd packs bf16 models only (fp32/fp16 cannot become bf16 without "
                     "rounding, so it would not be lossless). Use the model's bf16 release.")
@@ -151,6 +143,12 @@ def check_destination(dst: Path, overwrite: bool) -> None:
                         "Choose another path")
 
 
+def _source_bytes(info: dict) -> int:
+    """A source tensor's bytes, from its header entry (the progress total)."""
+    dtype = DTYPES.get(info["dtype"])
+    return int(np.prod(info["shape"])) * (dtype.item_bytes if dtype else 2)
+
+
 def pack_model(src: Path, dst: Path, progress: ProgressCallback = no_progress,
                cancel: CancelToken | None = None, overwrite: bool = False) -> PackReport:
     from safetensors import safe_open
@@ -160,7 +158,7 @@ def pack_model(src: Path, dst: Path, progress: ProgressCallback = no_progress,
         raise GlydError("the destination must differ from the source")
     check_destination(dst, overwrite)
     tensors = check_source(src)
-    total = sum(int(np.prod(i["shape"])) * SAFETENSORS_ITEM_BYTES.get(i["dtype"], 2) for _, i in tensors.values())
+    total = sum(_source_bytes(info) for _, info in tensors.values())
     report = PackReport()
     with atomic_dir(dst) as tmp:
         timer = PhaseTimer("pack", f"packing {src.name}", total, progress, cancel)
@@ -186,8 +184,6 @@ def pack_model(src: Path, dst: Path, progress: ProgressCallback = no_progress,
         index_meta = {"format": "glyd", SHARD_BYTES_KEY: writer.shard_bytes}
         (tmp / INDEX).write_text(json.dumps({"metadata": index_meta, "weight_map": writer.weight_map}, indent=1))
         config = json.loads((src / "config.json").read_text())
-        from glyd_engine.models import model_fingerprint
-
         # The same values as the source: per-model caches (the KV tables) are shared through its fingerprint.
         config["quantization_config"] = {"quant_method": QUANT_METHOD, "format_version": FORMAT_VERSION,
                                          "chunk": weights.CHUNK, "min_packed_values": MIN_PACKED_VALUES,

@@ -77,7 +77,7 @@ def counts_to_tables(counts: torch.Tensor) -> tuple[dict[int, torch.Tensor], tor
 def build_tables(model_dir: Path, window: int | None = None, tokens: int = TOKENS, seq_len: int = SEQ_LEN,
                  progress: ProgressCallback = no_progress, cancel: CancelToken | None = None) -> KVTables:
     """Build (not cache) the tables for a bf16 model directory."""
-    from glyd_engine.models import model_fingerprint
+    from glyd_engine.format.fingerprint import model_fingerprint
     from glyd_engine.tables import capture
 
     start = time.monotonic()
@@ -129,7 +129,7 @@ def _locked(path: Path) -> Iterator[None]:
 def ensure_tables(model_dir: Path, window: int | None = None, progress: ProgressCallback = no_progress,
                   cancel: CancelToken | None = None, rebuild: bool = False, tokens: int = TOKENS) -> KVTables:
     """The model's tables from the cache, built first if missing, damaged, or for a shorter window."""
-    from glyd_engine.models import model_fingerprint
+    from glyd_engine.format.fingerprint import model_fingerprint
 
     fingerprint = model_fingerprint(model_dir)
     path = tables_path(fingerprint)

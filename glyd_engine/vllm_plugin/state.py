@@ -26,15 +26,13 @@ _current: KVTables | None = None
 
 
 def model_dir(model: str) -> Path:
-    """A local directory for vLLM's `model` (a path, or a hub id already in the local hub cache)."""
-    p = Path(model).expanduser()
-    if p.is_dir():
-        return p
-    try:
-        from huggingface_hub import snapshot_download
+    """A local directory for vLLM's `model`: the engine has its files already, so nothing is downloaded."""
+    from glyd_engine.errors import GlydError
+    from glyd_engine.models.resolve import resolve_local
 
-        return Path(snapshot_download(model, local_files_only=True))
-    except Exception as exc:
+    try:
+        return resolve_local(model)
+    except GlydError as exc:
         raise ValueError(f"Glyd KV cache: cannot find the files of model {model!r} locally to build its KV "
                          f"tables ({exc})") from exc
 
@@ -51,15 +49,19 @@ def load_tables(model: str) -> KVTables:
     global _current
     with _lock:
         if model not in _tables:
-            from glyd_engine.models import model_fingerprint
-            from glyd_engine.tables import ensure_tables, tables_path
+            from glyd_engine.tables import ensure_tables
 
             d = model_dir(model)
-            cached = tables_path(model_fingerprint(d)).exists()
-            if not cached:
-                log.info("Glyd KV tables for %s are not cached yet: building them once (a few minutes)", d)
-            tables = ensure_tables(d, progress=_log_progress)
-            log.info("Glyd KV tables %s: %s", "loaded" if cached else "built", tables.describe())
+            building: list[bool] = []
+
+            def progress(event: Any) -> None:  # only a build reports progress: its first event says so
+                if not building:
+                    building.append(True)
+                    log.info("Glyd KV tables for %s are not cached yet: building them once (a few minutes)", d)
+                _log_progress(event)
+
+            tables = ensure_tables(d, progress=progress)
+            log.info("Glyd KV tables %s: %s", "built" if building else "loaded", tables.describe())
             _tables[model] = tables
         _current = _tables[model]
         return _current
