@@ -246,11 +246,11 @@ def resident_decode(r: ResidentWeight) -> torch.Tensor:
     return out
 
 
-TENSOR_CORE_CONFIG = {"block_n": 64, "block_kh": 64, "splits": 8, "num_warps": 4}  # 8-64 rows, runs 6-14
+TENSOR_CORE_CONFIG = {"block_n": 64, "block_kh": 64, "splits": 8, "num_warps": 4}  # 8-64 rows: the H200 sweep's best
 
 
 def gemv_config(n_rows: int, cols: int) -> dict[str, int]:
-    """Tiles of the one-row kernel by weight shape: the H200's best of bench/gpu_linear.py (run 14, docs/gpu.md) at
+    """Tiles of the one-row kernel by weight shape: the H200's best of bench/gpu_linear.py's sweep at
     Qwen3-8B's shapes. One K split (the kernel writes y, no second launch) unless K is long."""
     if cols >= 8192:  # down_proj
         return {"block_n": 16, "block_kh": 128, "splits": 2, "num_warps": 4}
