@@ -65,6 +65,8 @@ class Reply:
 
 
 class ChatSession:
+    """The app's state that outlives a screen: which chat is open, the engine serving it, the reply streaming."""
+
     def __init__(
         self,
         model: str = "demo",
