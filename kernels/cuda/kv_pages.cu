@@ -144,6 +144,25 @@ __device__ __forceinline__ void load_planes(Planes& p, const u8* t16, const u8* 
   if (W1) p.h[NW - 1] = ld4<SH>(t4 + h_off + 512 * W4 + 256 * W2);
 }
 
+// One tile's registers for decode attention: K and V planes, the trailer, this lane's first K and V list entry.
+struct Buf {
+  Planes k, v;
+  uint2 tr;
+  u32 ek, ev;
+  long blk;
+};
+
+// A tile's registers from its bytes at tp: global memory (SH false) or its ring slot in shared memory (SH true).
+template <bool SH>
+__device__ __forceinline__ void load_buf(Buf& b, const u8* tp, int lane) {
+  load_planes<SH>(b.k, tp + lane * 16, tp + lane * 8, tp + lane * 4, K_L, K_H);
+  load_planes<SH>(b.v, tp + lane * 16, tp + lane * 8, tp + lane * 4, V_L, V_H);
+  b.tr = ld8<SH>(tp + TR);
+  const u8* l2 = tp + LIST + lane * 2;
+  b.ek = lane < RESERVE ? ld2<SH>(l2) : 0u;
+  b.ev = lane < RESERVE ? ld2<SH>(l2 + 2 * (RESERVE - 1) - 4 * lane) : 0u;
+}
+
 #if CB == 3
 // The four H bytes (sign << 7 | (120 + c) >> 1) of group q: groups 0-2 of each 8 unrotated, 3-5 rotated by 3,
 // 6 and 7 from the two bits a byte the others leave (docs/format.md). q is a compile-time constant after unrolling.
@@ -278,12 +297,6 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) kv_decode_a
   const u8* head_base = cache + (long)h * PAGE_BYTES;
   const int* bt = block_table + (long)seq * bt_stride;
 
-  struct Buf {
-    Planes k, v;
-    uint2 tr;
-    u32 ek, ev;
-    long blk;
-  };
   Buf b0;
 #if !RING
   Buf b1;
@@ -302,13 +315,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) kv_decode_a
 #if !RING
   auto fetch = [&](Buf& bf_, int kk, int tl) {
     bf_.blk = block_of(kk);
-    const u8* tp = tile_ptr(bf_.blk, tl);
-    load_planes(bf_.k, tp + lane * 16, tp + lane * 8, tp + lane * 4, K_L, K_H);
-    load_planes(bf_.v, tp + lane * 16, tp + lane * 8, tp + lane * 4, V_L, V_H);
-    bf_.tr = ld8(tp + TR);
-    const u8* l2 = tp + LIST + lane * 2;
-    bf_.ek = lane < RESERVE ? ld2(l2) : 0u;
-    bf_.ev = lane < RESERVE ? ld2(l2 + 2 * (RESERVE - 1) - 4 * lane) : 0u;
+    load_buf<false>(bf_, tile_ptr(bf_.blk, tl), lane);
   };
 #endif
 
@@ -324,14 +331,6 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) kv_decode_a
       if (lane == 0) sm.slot_blk[warp][kk % RING] = blk;
     }
     cp_commit();
-  };
-  auto fill = [&](Buf& bf_, const u8* sp) {  // the current tile's registers from its slot
-    load_planes<true>(bf_.k, sp + lane * 16, sp + lane * 8, sp + lane * 4, K_L, K_H);
-    load_planes<true>(bf_.v, sp + lane * 16, sp + lane * 8, sp + lane * 4, V_L, V_H);
-    bf_.tr = ld8<true>(sp + TR);
-    const u8* l2 = sp + LIST + lane * 2;
-    bf_.ek = lane < RESERVE ? ld2<true>(l2) : 0u;
-    bf_.ev = lane < RESERVE ? ld2<true>(l2 + 2 * (RESERVE - 1) - 4 * lane) : 0u;
   };
   // The first tiles' bytes are in flight while Q is set up.
   for (int kk = 0; kk < RING - 1; ++kk) issue(kk, t_begin + warp + kk * WARPS);
@@ -540,7 +539,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) kv_decode_a
     cp_wait<RING - 1>();
     __syncwarp();
     const u8* sp = &sm.ring[warp][kk % RING][0];
-    fill(b0, sp);
+    load_buf<true>(b0, sp, lane);
     b0.blk = sm.slot_blk[warp][kk % RING];
     process(b0, tile, sp);
     __syncwarp();  // every lane is done with the slot before the next issue refills it
@@ -611,8 +610,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) kv_decode_a
   }
 }
 
-// Splits of one (sequence, query head) combined in a fixed order.
-// Grid (sequences, query heads), D threads.
+// Splits of one (sequence, query head) combined in a fixed order. Grid (sequences, query heads), D threads.
 extern "C" __global__ void kv_merge(u16* __restrict__ out, const float* __restrict__ part_o,
                                     const float* __restrict__ part_ml, int stride_o0, int stride_o1, int num_q_heads,
                                     int num_splits) {
