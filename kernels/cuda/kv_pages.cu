@@ -44,7 +44,15 @@ typedef unsigned long long u64;
 #define SKIP_ESCAPES 0  // benchmarks only (wrong results): 1 skips K's corrections, 2 V's, 3 both
 #endif
 #ifndef RING
-#define RING 2  // decode's tile pipeline: N >= 2, an N-slot cp.async ring a warp in shared memory; 0, two register buffers
+#define RING 2  // decode's tile pipeline: N >= 2, an N-slot ring a warp in shared memory; 0, two register buffers
+#endif
+#ifndef BULK
+#define BULK 1  // on sm_90+ the ring is filled by bulk copies (one instruction a tile), else by 16-byte cp.async a lane
+#endif
+#if RING && BULK && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define RING_BULK 1
+#else
+#define RING_BULK 0
 #endif
 #ifndef WMIN_BLOCKS
 #define WMIN_BLOCKS 8  // page-writer blocks a multiprocessor: sets its register budget
@@ -116,6 +124,20 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N>
 __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+// A whole tile by the bulk-copy engine (sm_90+): one lane issues it, an mbarrier a ring slot counts its bytes in.
+__device__ __forceinline__ void mbar_init(u64* bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)));
+}
+__device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes, u64* bar) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
+  asm volatile("{ .reg .pred p; WAIT_%=: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1; @!p bra WAIT_%=; }"
+               ::"r"(smem_addr(bar)), "r"(parity) : "memory");
+}
 
 // ---- one tile's K or V planes of one lane ------------------------------------------------------------------------
 struct Planes {
@@ -173,10 +195,11 @@ __device__ __forceinline__ u32 hbytes(const u32 (&w)[NW], int q) {
   return ((rotr(w[b + r - 6], 6) & 0x81818181u) | (rotr(w[b + 2], r - 2) & 0x02020202u)) | HCONST;
 }
 // Group q's hi bits: (word, rotation) of the piece holding the sign and c's bit 1, and of the one holding bit 2.
+// Branch-free (escape entries run it with a different q in each lane): r % 3 and 3 (r / 3) come from packed tables.
 __device__ __forceinline__ void group_words(int q, int& wa, int& ra, int& wb, int& rb) {
   const int u = q >> 3, r = q & 7;
-  wa = 3 * u + (r < 3 ? r : (r < 6 ? r - 3 : r - 6));
-  ra = r < 3 ? 0 : (r < 6 ? 3 : 6);
+  wa = 3 * u + int((0x4924u >> (2 * r)) & 3u);
+  ra = int((0x66333000u >> (4 * r)) & 15u);
   wb = r < 6 ? wa : 3 * u + 2;
   rb = r < 6 ? ra : r - 2;
 }
@@ -194,9 +217,10 @@ __device__ __forceinline__ void group_words(int q, int& wa, int& ra, int& wb, in
 // ---- escapes -----------------------------------------------------------------------------------------------------
 // Byte offset of lane ln's hi word w in the hi plane.
 __device__ __forceinline__ int hword_offset(int ln, int w) {
-  if (w < 4 * W4) return (w >> 2) * 512 + ln * 16 + 4 * (w & 3);
-  if (W2 && w < 4 * W4 + 2) return 512 * W4 + ln * 8 + 4 * (w - 4 * W4);
-  return 512 * W4 + 256 * W2 + ln * 4;
+  const int in4 = (w >> 2) * 512 + ln * 16 + 4 * (w & 3);
+  const int in2 = 512 * W4 + ln * 8 + 4 * (w - 4 * W4);
+  const int in1 = 512 * W4 + 256 * W2 + ln * 4;
+  return w < 4 * W4 ? in4 : ((W2 && w < 4 * W4 + 2) ? in2 : in1);  // selects, not branches
 }
 
 struct Escape {
@@ -270,9 +294,10 @@ struct Smem {
 #if RING
   __align__(16) u8 ring[WARPS][RING][TILE_BYTES];  // each warp's tiles in flight
   long slot_blk[WARPS][RING];                      // their blocks
+  u64 bar[WARPS][RING];                            // bulk copies: each slot's bytes arrived
 #endif
-  u16 q[D][8];      // Q (bf16) [channel][head], heads >= GQ zero
-  u16 qs[D][8];     // Q' = Q 2^(top_k - 127) as the MMA takes it
+  u32 qq[D][8];     // [channel][head] bf16 pairs: Q (low half) and Q' = Q 2^(top_k - 127) as the MMA takes it (high
+                    // half); heads >= GQ zero
   float vsc[D];     // 2^(top_v - 127): V' back to V
   float pst[WARPS][8][16];
   float ocorr[WARPS][8][D];
@@ -321,16 +346,33 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) kv_decode_a
 
   constexpr bool SH = RING > 0;
 #if RING
-  // tile kk of this warp (tl) into ring slot kk % RING; one commit group a call, copies or not
+  // tile kk of this warp (tl) into ring slot kk % RING: a bulk copy issued by lane 0 (sm_90+), else 16-byte
+  // cp.async a lane at compile-time offsets and one commit group a call, copies or not
+#if RING_BULK
+  if (lane < RING) mbar_init(&sm.bar[warp][lane]);
+  mbar_init_fence();
+  __syncwarp();
+#endif
   auto issue = [&](int kk, int tl) {
     if (tl < t_end) {
       const long blk = block_of(kk);
       const u8* src = tile_ptr(blk, tl);
       u8* dst = &sm.ring[warp][kk % RING][0];
-      for (int c = lane; c < TILE_BYTES / 16; c += 32) cp_async16(dst + 16 * c, src + 16 * c);
       if (lane == 0) sm.slot_blk[warp][kk % RING] = blk;
+#if RING_BULK
+      if (lane == 0) bulk_copy(dst, src, TILE_BYTES, &sm.bar[warp][kk % RING]);
+#else
+      constexpr int CHUNKS = TILE_BYTES / 16;
+      src += 16 * lane;
+      dst += 16 * lane;
+#pragma unroll
+      for (int c = 0; c < CHUNKS / 32; ++c) cp_async16(dst + 512 * c, src + 512 * c);
+      if (CHUNKS % 32 && lane < CHUNKS % 32) cp_async16(dst + 512 * (CHUNKS / 32), src + 512 * (CHUNKS / 32));
+#endif
     }
+#if !RING_BULK
     cp_commit();
+#endif
   };
   // The first tiles' bytes are in flight while Q is set up.
   for (int kk = 0; kk < RING - 1; ++kk) issue(kk, t_begin + warp + kk * WARPS);
@@ -355,8 +397,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) kv_decode_a
       const float qv = bf((w[j >> 1] >> (16 * (j & 1))) & 0xFFFFu);
       const int top = int(((j < 4 ? tw.x : tw.y) >> (8 * (j & 3))) & 0xFFu);
       const float qp = hh < GQ ? bf(pack_bf16(qv * pow2(top - 127), 0.f) & 0xFFFFu) : 0.f;
-      sm.q[d0 + j][hh] = u16(pack_bf16(qv, 0.f) & 0xFFFFu);
-      sm.qs[d0 + j][hh] = u16(pack_bf16(qp, 0.f) & 0xFFFFu);
+      sm.qq[d0 + j][hh] = pack_bf16(qv, qp);
     }
   }
   for (int d = threadIdx.x; d < D; d += WARPS * 32) sm.vsc[d] = pow2(int(tops[(num_kv_heads + h) * D + d]) - 127);
@@ -367,8 +408,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) kv_decode_a
 #pragma unroll
   for (int ks = 0; ks < D / 16; ++ks) {
     const int c = 16 * ks + 2 * tig;
-    qb0[ks] = u32(sm.qs[c][g]) | (u32(sm.qs[c + 1][g]) << 16);
-    qb1[ks] = u32(sm.qs[c + 8][g]) | (u32(sm.qs[c + 9][g]) << 16);
+    qb0[ks] = prmt(sm.qq[c][g], sm.qq[c + 1][g], 0x7632);
+    qb1[ks] = prmt(sm.qq[c + 8][g], sm.qq[c + 9][g], 0x7632);
   }
 
   float o[D / 16][4];
@@ -421,17 +462,19 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) kv_decode_a
             where = u32(x.t) | (u32(x.d) << 8);
           }
         }
-        for (int c = 0; c < 2 && base + 16 * c < nk_tot; ++c) {
-          u32 tv[4], wv[4], qv[4], sv[4];
+        const bool two = base + 16 < nk_tot;  // warp-uniform
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          if (c == 1 && !two) break;
+          u32 tv[4], wv[4], qv[4];
 #pragma unroll
           for (int j = 0; j < 4; ++j) {  // entries 16c + 2tig + {0, 1, 8, 9}
             const int src = 16 * c + 2 * tig + (j & 1) + 8 * (j >> 1);
             const u32 vv = __shfl_sync(FULL, vals, src), ww = __shfl_sync(FULL, where, src);
-            const u32 t = ww & 0xFFu, d = ww >> 8;
+            const u32 t = ww & 0xFFu;
             tv[j] = vv;
             wv[j] = t;
-            qv[j] = t == 0xFFu ? 0u : sm.q[d][g];
-            sv[j] = t == 0xFFu ? 0u : sm.qs[d][g];
+            qv[j] = t == 0xFFu ? 0u : sm.qq[ww >> 8][g];  // Q and Q' at the entry's channel, head g
           }
           u32 ta[4], wa[4];
 #pragma unroll
@@ -441,8 +484,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) kv_decode_a
             ta[r] = prmt(lo, hi, 0x5410);
             wa[r] = prmt(lo, hi, 0x7632);
           }
-          mma(st, ta[0], ta[1], ta[2], ta[3], qv[0] | (qv[1] << 16), qv[2] | (qv[3] << 16));
-          mma(st, wa[0], wa[1], wa[2], wa[3], sv[0] | (sv[1] << 16), sv[2] | (sv[3] << 16));
+          mma(st, ta[0], ta[1], ta[2], ta[3], prmt(qv[0], qv[1], 0x5410), prmt(qv[2], qv[3], 0x5410));
+          mma(st, wa[0], wa[1], wa[2], wa[3], prmt(qv[0], qv[1], 0x7632), prmt(qv[2], qv[3], 0x7632));
         }
       }
     }
@@ -536,7 +579,11 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) kv_decode_a
     const int tile = t_begin + warp + kk * WARPS;
     if (tile >= t_end) break;
     issue(kk + RING - 1, tile + (RING - 1) * WARPS);
+#if RING_BULK
+    mbar_wait(&sm.bar[warp][kk % RING], u32(kk / RING) & 1u);
+#else
     cp_wait<RING - 1>();
+#endif
     __syncwarp();
     const u8* sp = &sm.ring[warp][kk % RING][0];
     load_buf<true>(b0, sp, lane);
@@ -544,7 +591,9 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) kv_decode_a
     process(b0, tile, sp);
     __syncwarp();  // every lane is done with the slot before the next issue refills it
   }
+#if !RING_BULK
   cp_wait<0>();
+#endif
 #else
   // Two buffers in turn: the next tile's bytes are in flight while this one decodes.
   while (tile < t_end) {
