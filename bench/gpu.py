@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT / ".baseline"))
 
 import torch  # noqa: E402
 
+from bench import gpu_model  # noqa: E402
 from glyd_engine.format import kv_page as kp  # noqa: E402
 from kernels import kv_cuda  # noqa: E402
 
@@ -206,6 +207,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--variants", default="", help="extra builds timed per row, e.g. MIN_BLOCKS=3;WARPS=8")
     ap.add_argument("--splits", default="", help="also time our kernel with the context split forced to each of "
                     "these counts, e.g. 1,2,3 (columns sN: ratio to vLLM)")
+    ap.add_argument("--kv-gib", type=float, default=100.0, help="KV memory of the throughput model (every cache)")
+    ap.add_argument("--no-model", action="store_true", help="skip the throughput model")
     args = ap.parse_args(argv)
     args.batches = [int(x) for x in args.batches.split(",")]
     args.contexts = [int(x) for x in args.contexts.split(",")]
@@ -434,7 +437,9 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}: copy {copy_tbs:.2f} TB/s", flush=True)
 
     src = Source(15, dev)
-    pools = fill_pools(src, args.codes, max(args.batches) * max(args.contexts), dev)
+    bf16_batch = gpu_model.batches(args.kv_gib, None, H, D)["bf16"]
+    model_tokens = 0 if args.no_model else 2 * bf16_batch * gpu_model.CONTEXT  # a page code holds < 2x the sequences
+    pools = fill_pools(src, args.codes, max(max(args.batches) * max(args.contexts), model_tokens), dev)
     gen = torch.Generator().manual_seed(3)  # one stream, in this order: read-back tiles, accuracy cases, grid cases
     check_codes(pools, src, gen, dev, out)
     base = Baseline(pools, dev, out)
@@ -452,6 +457,12 @@ def main() -> None:
             log("rows", rows, out)
 
     print_table(rows, list(pools.codes), copy_tbs, args.splits)
+
+    if not args.no_model:
+        model = gpu_model.throughput_model(
+            pools, lambda S, L: time_row(S, L, pools, base, gen, dev, [], []), dev, args.kv_gib, H, D)
+        log("throughput_model", model, out)
+        gpu_model.print_model(model)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,124 @@
+"""The throughput model of bench/gpu.py: decode tokens a second of a Qwen3-8B-shaped model on an H200 with each KV
+cache at the largest batch of 8k-token sequences its memory holds (docs/gpu.md, "Throughput model").
+
+step = 36 x (attention + page write + qkv + o + gate_up + down) + lm_head, every part timed in the same run at the
+batch its cache holds: attention is bench/gpu.py's decode-attention row at that batch (vLLM's Triton kernel on bf16
+pages for the bf16 cache), the page write is one decode token a sequence, the linears are cuBLAS on bf16 weights
+(the same weights for every cache: the model compares caches). Norms, rotary, activation, sampling and vLLM's own
+bf16 cache write are left out, which favours bf16. tokens/s = batch / step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from bench.gpu_linear import SHAPES
+from glyd_engine.format.kv_page import TILE
+
+if TYPE_CHECKING:
+    from bench.gpu import Code, Pools
+
+LAYERS = 36
+CONTEXT = 8192
+LM_HEAD = (4096, 151936)  # K -> N
+ROTATE_BYTES = 320 << 20  # weights timed in turn past the L2
+
+
+def batches(kv_gib: float, pools: Pools | None, heads: int, head_size: int) -> dict[str, int]:
+    """Sequences of CONTEXT tokens that kv_gib of KV memory holds across the model's layers, for each cache (bf16
+    alone without pools). A page code's token costs its page bytes and its share of the overflow run pointers (8 bytes
+    a tile and head)."""
+    per_token = {"bf16": 4 * heads * head_size}
+    if pools is not None:
+        per_token |= {f"code{cb}": heads * (code.lay.token_bytes + 8 / TILE) for cb, code in pools.codes.items()}
+    return {name: int(kv_gib * 2**30 // (b * LAYERS * CONTEXT)) for name, b in per_token.items()}
+
+
+def bench_fn(fn: Callable[[], object]) -> float:
+    """Median ms of fn replayed from a CUDA graph."""
+    import triton.testing as tt
+
+    return float(tt.do_bench_cudagraph(fn, rep=60, return_mode="median"))
+
+
+def linear_ms(rows: int, dev: str, gen: torch.Generator) -> dict[str, float]:
+    """cuBLAS time of each linear of a layer and of lm_head at `rows` rows (weights rotated past the L2)."""
+    out = {}
+    for name, (k, n) in {**SHAPES, "lm_head": LM_HEAD}.items():
+        copies = max(1, math.ceil(ROTATE_BYTES / (2 * n * k)))
+        ws = [(torch.randn(n, k, device=dev, generator=gen) * 0.02).to(torch.bfloat16) for _ in range(copies)]
+        x = torch.randn(rows, k, device=dev, generator=gen).to(torch.bfloat16)
+        out[name] = bench_fn(lambda ws=ws, x=x: [torch.matmul(x, w.T) for w in ws]) / copies
+        del ws
+    torch.cuda.empty_cache()
+    return out
+
+
+def write_ms(code: Code, rows: int, dev: str) -> dict[str, float]:
+    """One decode token for each of `rows` sequences, mid-tile (the writer merges into the tile's planes): the
+    kernel alone (a CUDA graph's replay) and the whole call with the host's overflow check."""
+    import triton.testing as tt
+
+    from kernels import kv_cuda
+
+    lay = code.lay
+    cache = torch.zeros(rows, code.cache.shape[1], lay.page_bytes, dtype=torch.uint8, device=dev)
+    ovf = type(code.ovf)(rows, code.cache.shape[1], device=dev)
+    k = torch.randn(rows, cache.shape[1], lay.head_size, device=dev).to(torch.bfloat16)
+    v = torch.randn_like(k)
+    slots = torch.arange(rows, device=dev) * TILE + 5
+    kv_cuda.write(cache, lay, code.tops, ovf, k, v, slots)  # overflow runs allocated before timing
+    need = torch.zeros(rows, cache.shape[1], 2, dtype=torch.int32, device=dev)
+
+    def kernel() -> None:
+        need.zero_()
+        kv_cuda.launch_write(cache, lay, code.tops, ovf, k, v, slots, need)
+
+    whole = float(tt.do_bench(lambda: kv_cuda.write(cache, lay, code.tops, ovf, k, v, slots), warmup=5, rep=50,
+                              return_mode="median"))
+    return {"kernel": bench_fn(kernel), "with_host_check": whole}
+
+
+def throughput_model(pools: Pools, attention_row: Callable[[int, int], dict[str, object]], dev: str, kv_gib: float,
+                     heads: int, head_size: int) -> dict[str, object]:
+    """Each cache's batch, per-layer times, step and tokens a second; ratios against the bf16 cache (vLLM's kernel),
+    with the page write as its kernel alone (graph-safe) and as today's call with the host check. `attention_row`
+    (batch, context) is bench/gpu.py's timed row: every kernel at that shape, side by side."""
+    sizes = batches(kv_gib, pools, heads, head_size)
+    tgen = torch.Generator(device=dev).manual_seed(7)
+    attn_rows = {s: attention_row(s, CONTEXT) for s in sorted(set(sizes.values()))}
+    result: dict[str, object] = {"kv_gib": kv_gib, "context": CONTEXT, "layers": LAYERS, "caches": {}}
+    for name, s in sizes.items():
+        row = attn_rows[s]
+        attn = row.get("vllm_ms", math.nan) if name == "bf16" else row[f"{name}_ms"]
+        lin = linear_ms(s, dev, tgen)
+        write = {"kernel": 0.0, "with_host_check": 0.0} if name == "bf16" else write_ms(
+            pools.codes[int(name[4:])], s, dev)
+        layer_lin = sum(v for k, v in lin.items() if k != "lm_head")
+        entry: dict[str, object] = {"batch": s, "attention_ms": attn, "write_ms": write, "linears_ms": lin}
+        for kind in ("kernel", "with_host_check"):
+            step = LAYERS * (attn + write[kind] + layer_lin) + lin["lm_head"]
+            entry[f"step_ms_{kind}"] = step
+            entry[f"tokens_per_s_{kind}"] = s / (step / 1e3)
+        result["caches"][name] = entry
+    ref = result["caches"]["bf16"]["tokens_per_s_kernel"]
+    for entry in result["caches"].values():
+        for kind in ("kernel", "with_host_check"):
+            entry[f"vs_bf16_{kind}"] = entry[f"tokens_per_s_{kind}"] / ref
+    return result
+
+
+def print_model(model: dict[str, object]) -> None:
+    print(f"\nthroughput model: {model['kv_gib']} GiB of KV, {model['context']}-token sequences, {model['layers']} "
+          "layers\n| cache | batch | attention ms | write ms (kernel / with check) | linears ms | step ms (kernel / "
+          "with check) | tokens/s | vs bf16 (kernel / with check) |\n|---|---|---|---|---|---|---|---|")
+    for name, e in model["caches"].items():
+        lin = sum(v for k, v in e["linears_ms"].items() if k != "lm_head")
+        print(f"| {name} | {e['batch']} | {e['attention_ms']:.3f} | {e['write_ms']['kernel']:.4f} / "
+              f"{e['write_ms']['with_host_check']:.4f} | {lin:.3f} | {e['step_ms_kernel']:.2f} / "
+              f"{e['step_ms_with_host_check']:.2f} | {e['tokens_per_s_kernel']:.0f} | {e['vs_bf16_kernel']:.2f}x / "
+              f"{e['vs_bf16_with_host_check']:.2f}x |")
