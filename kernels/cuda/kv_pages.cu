@@ -49,6 +49,14 @@ typedef unsigned long long u64;
 #ifndef BULK
 #define BULK 1  // on sm_90+ the ring is filled by bulk copies (one instruction a tile), else by 16-byte cp.async a lane
 #endif
+#ifndef PATCH
+#define PATCH (GQ <= 4)  // ring builds: escapes patched into the operands (below); the per-warp smem fits 3 blocks
+#endif
+#if RING && PATCH
+#define RING_PATCH 1
+#else
+#define RING_PATCH 0
+#endif
 #if RING && BULK && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define RING_BULK 1
 #else
@@ -134,6 +142,7 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes,
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
 }
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 __device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
   asm volatile("{ .reg .pred p; WAIT_%=: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1; @!p bra WAIT_%=; }"
                ::"r"(smem_addr(bar)), "r"(parity) : "memory");
@@ -285,6 +294,31 @@ __device__ __forceinline__ void accumulate(float* row, int key, const float (&ad
   }
 }
 
+template <bool B>
+struct Flag {
+  static constexpr bool value = B;
+};
+
+// An escape patched into its operand: the fast path decodes exponent e_c (the window's, scaled domain) where the
+// value's own exponent, scaled by 2^(127 - top), is e_s; the operand gets e_s by XORing e_c ^ e_s in: its low bit
+// in the L byte (written back into the slot's L plane), the other seven in the H byte (a plane of XOR bytes laid out
+// like the L plane). Exact where the scaled value is a normal bf16, a zero, an inf or a NaN; false otherwise (the
+// tile then takes the corrections).
+// packed: L offset | XOR H bits << 11 | new L byte << 18 | 1 << 31.
+template <bool SH>
+__device__ __forceinline__ bool patch_of(const u8* tile, u32 e, int kind, const u8 (&tops)[2][D], u32& packed) {
+  const Escape x = locate<SH>(tile, e, kind);
+  const int et = int((x.truth >> 7) & 0xFFu), top = tops[kind][x.d];
+  const bool zero = (x.truth & 0x7Fu) == 0u;
+  int es = et + 127 - top;
+  bool exact = es >= 1 && es <= 254;
+  if (et == 255) es = 255, exact = true;                                 // inf, NaN
+  if (et == 0) es = 0, exact = zero || top == 127;                       // zero; a subnormal only unscaled
+  const u32 xr = (((x.wrong >> 7) & 0xFFu) ^ u32(es)) & 0xFFu;
+  packed = (e & (LP - 1)) | ((xr >> 1) << 11) | (((x.wrong & 0xFFu) ^ ((xr & 1u) << 7)) << 18) | 0x80000000u;
+  return exact;
+}
+
 // ================================================================================================================
 // Decode attention: one query token a sequence. Grid (splits, KV heads, sequences); WARPS warps a block, each
 // taking every WARPS-th tile of the block's share of the sequence, with its own online softmax; the block then
@@ -300,7 +334,10 @@ struct Smem {
                     // half); heads >= GQ zero
   float vsc[D];     // 2^(top_v - 127): V' back to V
   float pst[WARPS][8][16];
-  float ocorr[WARPS][8][D];
+  float ocorr[WARPS][GQ][D];
+#if RING_PATCH
+  u8 tops[2][D];    // the K and V window tops: an escape's exponent in the scaled domain
+#endif
   float wm[WARPS][8], wl[WARPS][8];
 };
 
@@ -401,7 +438,11 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) kv_decode_a
     }
   }
   for (int d = threadIdx.x; d < D; d += WARPS * 32) sm.vsc[d] = pow2(int(tops[(num_kv_heads + h) * D + d]) - 127);
-  for (int i = lane; i < 8 * D; i += 32) (&sm.ocorr[warp][0][0])[i] = 0.f;
+  for (int i = lane; i < GQ * D; i += 32) (&sm.ocorr[warp][0][0])[i] = 0.f;
+#if RING_PATCH
+  for (int i = threadIdx.x; i < 2 * D; i += WARPS * 32)
+    sm.tops[i / D][i % D] = tops[((i / D) * num_kv_heads + h) * D + i % D];
+#endif
   __syncthreads();
 
   u32 qb0[D / 16], qb1[D / 16];  // Q'^T's B fragments: head g, channels 16ks + 2tig + {0, 1} and + {8, 9}
@@ -418,10 +459,13 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) kv_decode_a
   float m_run[2] = {NEG_INF, NEG_INF}, l_part[2] = {0.f, 0.f};  // heads 2tig, 2tig + 1
   bool ocorr_used = false;
 
-  // tp: the tile's bytes (global memory, or its ring slot) for the escape entries
-  auto process = [&](const Buf& cb, int tile, const u8* tp) {
+  // tp: the tile's bytes (global memory, or its ring slot) for the escape entries. Patched (a ring slot whose
+  // escapes prepare_patches has patched): the operands' exponent fixes are XORed in, no corrections.
+  auto process = [&](const Buf& cb, int tile, const u8* tp, auto patched) {
+    constexpr bool PATCHED = decltype(patched)::value;
     const long gtile = cb.blk * TPP + tile % TPP;
-    const int nk_tot = cb.tr.x & 0xFFFF, nv_tot = cb.tr.x >> 16, nk_in = cb.tr.y & 0xFFFF, nv_in = cb.tr.y >> 16;
+    const int nk_tot = PATCHED ? 0 : cb.tr.x & 0xFFFF, nv_tot = PATCHED ? 0 : cb.tr.x >> 16;
+    const int nk_in = cb.tr.y & 0xFFFF, nv_in = cb.tr.y >> 16;
     u32 k_vals = 0u, k_where = 0xFFu;  // this lane's K entry: true | -decoded << 16; token | channel << 8
     if (SKIP_ESCAPES != 1 && SKIP_ESCAPES != 3 && lane < nk_tot) {
       const u32 e = lane < nk_in ? cb.ek : entry_at<SH>(tp, lane, nk_in, 0, ovf_ptr, arena, gtile, h, num_kv_heads);
@@ -442,7 +486,12 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) kv_decode_a
     float st[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
-      const u32 H0 = hbytes(cb.k.h, 2 * ks), H1 = hbytes(cb.k.h, 2 * ks + 1);
+      u32 H0 = hbytes(cb.k.h, 2 * ks), H1 = hbytes(cb.k.h, 2 * ks + 1);
+      if constexpr (PATCHED) {  // the exponent fixes' H bits, in the slot where K's L plane was
+        const uint2 x = ld8<true>(tp + K_L + lane * 16 + (ks >> 1) * 512 + 8 * (ks & 1));
+        H0 ^= x.x;
+        H1 ^= x.y;
+      }
       const u32 L0 = cb.k.l[2 * ks], L1 = cb.k.l[2 * ks + 1];
       mma(st, prmt(L0, H0, 0x5140), prmt(L1, H1, 0x5140), prmt(L0, H0, 0x7362), prmt(L1, H1, 0x7362), qb0[ks],
           qb1[ks]);
@@ -539,7 +588,12 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) kv_decode_a
     // ---- O'^T += V'^T·P^T ----
 #pragma unroll
     for (int mb = 0; mb < D / 16; ++mb) {
-      const u32 H0 = hbytes(cb.v.h, 2 * mb), H1 = hbytes(cb.v.h, 2 * mb + 1);
+      u32 H0 = hbytes(cb.v.h, 2 * mb), H1 = hbytes(cb.v.h, 2 * mb + 1);
+      if constexpr (PATCHED) {
+        const uint2 x = ld8<true>(tp + V_L + lane * 16 + (mb >> 1) * 512 + 8 * (mb & 1));
+        H0 ^= x.x;
+        H1 ^= x.y;
+      }
       const u32 L0 = cb.v.l[2 * mb], L1 = cb.v.l[2 * mb + 1];
       mma(o[mb], prmt(L0, H0, 0x5140), prmt(L1, H1, 0x5140), prmt(L0, H0, 0x7362), prmt(L1, H1, 0x7362), pb0, pb1);
     }
@@ -573,6 +627,53 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) kv_decode_a
     }
   };
 
+#if RING_PATCH
+  // A slot's escapes as operand patches (patch_of), up to 64 of each kind: true if the tile has entries and all of
+  // them patch exactly; then each entry's L byte is rewritten in the slot and its H bits are kept for apply_patches.
+  u32 pk[2], pv[2];
+  auto prepare_patches = [&](const u8* sp, long gtile) -> bool {
+    const uint2 tr = ld8<true>(sp + TR);
+    const int nk_tot = tr.x & 0xFFFF, nv_tot = tr.x >> 16, nk_in = tr.y & 0xFFFF, nv_in = tr.y >> 16;
+    if (SKIP_ESCAPES || (nk_tot | nv_tot) == 0 || nk_tot > 64 || nv_tot > 64) return false;  // warp-uniform
+    bool ok = true;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      pk[r] = pv[r] = 0u;
+      const int i = 32 * r + lane;
+      if (i < nk_tot) ok &= patch_of<true>(sp, entry_at<true>(sp, i, nk_in, 0, ovf_ptr, arena, gtile, h, num_kv_heads),
+                                         0, sm.tops, pk[r]);
+      if (i < nv_tot) ok &= patch_of<true>(sp, entry_at<true>(sp, i, nv_in, 1, ovf_ptr, arena, gtile, h, num_kv_heads),
+                                         1, sm.tops, pv[r]);
+    }
+    if (!__all_sync(FULL, ok)) return false;
+    u8* w = const_cast<u8*>(sp);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if (pk[r]) w[K_L + (pk[r] & (LP - 1))] = u8(pk[r] >> 18);
+      if (pv[r]) w[V_L + (pv[r] & (LP - 1))] = u8(pv[r] >> 18);
+    }
+    __syncwarp();
+    return true;
+  };
+  // After the slot's planes are in registers: the L planes become the H-bit XOR planes (each lane clears the
+  // chunks it loaded, then each entry sets its byte).
+  auto apply_patches = [&](const u8* sp) {
+    u8* w = const_cast<u8*>(sp);
+#pragma unroll
+    for (int c = 0; c < NLC; ++c) {
+      *reinterpret_cast<uint4*>(w + K_L + lane * 16 + c * 512) = make_uint4(0u, 0u, 0u, 0u);
+      *reinterpret_cast<uint4*>(w + V_L + lane * 16 + c * 512) = make_uint4(0u, 0u, 0u, 0u);
+    }
+    __syncwarp();
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if (pk[r]) w[K_L + (pk[r] & (LP - 1))] = u8((pk[r] >> 11) & 0x7Fu);
+      if (pv[r]) w[V_L + (pv[r] & (LP - 1))] = u8((pv[r] >> 11) & 0x7Fu);
+    }
+    __syncwarp();
+  };
+#endif
+
 #if RING
   // RING - 1 tiles in flight while one decodes
   for (int kk = 0;; ++kk) {
@@ -586,9 +687,21 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) kv_decode_a
 #endif
     __syncwarp();
     const u8* sp = &sm.ring[warp][kk % RING][0];
-    load_buf<true>(b0, sp, lane);
     b0.blk = sm.slot_blk[warp][kk % RING];
-    process(b0, tile, sp);
+#if RING_PATCH
+    if (prepare_patches(sp, b0.blk * TPP + tile % TPP)) {
+      load_buf<true>(b0, sp, lane);  // the L planes as patched
+      apply_patches(sp);
+      process(b0, tile, sp, Flag<true>{});
+#if RING_BULK
+      fence_proxy_async();  // this warp's writes to the slot are ordered before the bulk copy that refills it
+#endif
+    } else
+#endif
+    {
+      load_buf<true>(b0, sp, lane);
+      process(b0, tile, sp, Flag<false>{});
+    }
     __syncwarp();  // every lane is done with the slot before the next issue refills it
   }
 #if !RING_BULK
@@ -598,12 +711,12 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) kv_decode_a
   // Two buffers in turn: the next tile's bytes are in flight while this one decodes.
   while (tile < t_end) {
     if (tile + WARPS < t_end) fetch(b1, kk + 1, tile + WARPS);
-    process(b0, tile, tile_ptr(b0.blk, tile));
+    process(b0, tile, tile_ptr(b0.blk, tile), Flag<false>{});
     tile += WARPS;
     ++kk;
     if (tile >= t_end) break;
     if (tile + WARPS < t_end) fetch(b0, kk + 1, tile + WARPS);
-    process(b1, tile, tile_ptr(b1.blk, tile));
+    process(b1, tile, tile_ptr(b1.blk, tile), Flag<false>{});
     tile += WARPS;
     ++kk;
   }
@@ -626,7 +739,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) kv_decode_a
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       const int d = 16 * mb + g + 8 * (c >> 1), hh = 2 * tig + (c & 1);
-      sm.ocorr[warp][hh][d] += o[mb][c] * sm.vsc[d];
+      if (hh < GQ) sm.ocorr[warp][hh][d] += o[mb][c] * sm.vsc[d];
     }
   }
   __syncthreads();

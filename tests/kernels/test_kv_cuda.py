@@ -157,3 +157,50 @@ def test_decode_attention_matches_fp32_and_repeats_its_bits(d: int, h: int, grou
         again = kv_cuda.decode_attention(q.to(DEV), cache, lay, tops_gpu, table.to(DEV), seq_lens.to(DEV), max(lens),
                                          d ** -0.5, ovf, num_splits=splits)
         assert torch.equal(again.view(torch.int16), out.view(torch.int16))
+
+
+@pytest.mark.parametrize("code_bits,reserve", [(3, 68), (4, 4)])
+def test_decode_attention_where_escapes_carry_the_output(code_bits: int, reserve: int) -> None:
+    """Escapes that decide the result: small in-window values, 1% large outliers and 0.5% zeros (patched into the
+    MMA operands), and in some tiles subnormals (not exact when scaled, so those tiles take the corrections); a
+    wrong patch or correction moves the output far past bf16 tolerance."""
+    from kernels import kv_cuda
+
+    d, h, group, block = 128, 2, 4, 16
+    g = torch.Generator().manual_seed(11 + code_bits)
+    lens = [700, 33, 2048]
+    n = sum(lens)
+    base = lambda: torch.randn(n, h, d, generator=g) * 2.0 ** -6  # noqa: E731
+    k, v = base(), base()
+    tops = tops_for(k.to(torch.bfloat16), v.to(torch.bfloat16), code_bits)  # windows around the small values
+    for x in (k, v):
+        u = torch.rand(n, h, d, generator=g)
+        x[u < 0.01] = torch.randn(int((u < 0.01).sum()), generator=g) * 4.0
+        x[(u >= 0.01) & (u < 0.015)] = 0.0
+        sub = (u >= 0.015) & (u < 0.0152) & (torch.arange(n).view(n, 1, 1) % 160 < 16)  # a tile in ten
+        x[sub] = 1e-39
+    k, v = k.to(torch.bfloat16), v.to(torch.bfloat16)
+    lay = kp.KVPageLayout(d, block, reserve, code_bits)
+    nb = sum(math.ceil(x / block) for x in lens)
+    per_seq, table = slots_for(lens, block, torch.randperm(nb, generator=g))
+    cache = torch.zeros(nb, h, lay.page_bytes, dtype=torch.uint8, device=DEV)
+    ovf = kp.OverflowStore(nb, h, device=DEV)
+    tops_gpu = tops.to(DEV)
+    ks, vs, i = [], [], 0
+    for sl in per_seq:
+        m = sl.numel()
+        kv_cuda.write(cache, lay, tops_gpu, ovf, k[i : i + m].to(DEV), v[i : i + m].to(DEV), sl.to(DEV))
+        ks.append(k[i : i + m])
+        vs.append(v[i : i + m])
+        i += m
+    q = torch.randn(len(lens), h * group, d, generator=g).to(torch.bfloat16)
+    ref = reference_attention(q, ks, vs, d ** -0.5)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    for splits in (None, 1):
+        out = kv_cuda.decode_attention(q.to(DEV), cache, lay, tops_gpu, table.to(DEV), seq_lens, max(lens), d ** -0.5,
+                                       ovf, num_splits=splits)
+        err = float((out.float().cpu() - ref).norm() / ref.norm())
+        assert err < 1e-2, f"relative error {err:.2e} with {splits} splits"
+        again = kv_cuda.decode_attention(q.to(DEV), cache, lay, tops_gpu, table.to(DEV), seq_lens, max(lens),
+                                         d ** -0.5, ovf, num_splits=splits)
+        assert torch.equal(again.view(torch.int16), out.view(torch.int16))
