@@ -59,8 +59,8 @@ def linear_ms(rows: int, dev: str, gen: torch.Generator) -> dict[str, float]:
 
 
 def write_ms(code: Code, rows: int, dev: str) -> dict[str, float]:
-    """One decode token for each of `rows` sequences, mid-tile (the writer merges into the tile's planes): the
-    kernel alone (a CUDA graph's replay) and the whole call with the host's overflow check."""
+    """One decode token for each of `rows` sequences, the first of its tile (so that every replay writes the same
+    bytes): the kernel alone (a CUDA graph's replay) and the whole call with the host's overflow check."""
     import triton.testing as tt
 
     from kernels import kv_cuda
@@ -70,7 +70,7 @@ def write_ms(code: Code, rows: int, dev: str) -> dict[str, float]:
     ovf = type(code.ovf)(rows, code.cache.shape[1], device=dev)
     k = torch.randn(rows, cache.shape[1], lay.head_size, device=dev).to(torch.bfloat16)
     v = torch.randn_like(k)
-    slots = torch.arange(rows, device=dev) * TILE + 5
+    slots = torch.arange(rows, device=dev) * TILE
     kv_cuda.write(cache, lay, code.tops, ovf, k, v, slots)  # overflow runs allocated before timing
     need = torch.zeros(rows, cache.shape[1], 2, dtype=torch.int32, device=dev)
 

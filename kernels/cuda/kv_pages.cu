@@ -294,11 +294,6 @@ __device__ __forceinline__ void accumulate(float* row, int key, const float (&ad
   }
 }
 
-template <bool B>
-struct Flag {
-  static constexpr bool value = B;
-};
-
 // An escape patched into its operand: the fast path decodes exponent e_c (the window's, scaled domain) where the
 // value's own exponent, scaled by 2^(127 - top), is e_s; the operand gets e_s by XORing e_c ^ e_s in: its low bit
 // in the L byte (written back into the slot's L plane), the other seven in the H byte (a plane of XOR bytes laid out
@@ -461,8 +456,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) kv_decode_a
 
   // tp: the tile's bytes (global memory, or its ring slot) for the escape entries. Patched (a ring slot whose
   // escapes prepare_patches has patched): the operands' exponent fixes are XORed in, no corrections.
-  auto process = [&](const Buf& cb, int tile, const u8* tp, auto patched) {
-    constexpr bool PATCHED = decltype(patched)::value;
+  auto process = [&](const Buf& cb, int tile, const u8* tp, const bool PATCHED) {  // a literal: inlined twice
     const long gtile = cb.blk * TPP + tile % TPP;
     const int nk_tot = PATCHED ? 0 : cb.tr.x & 0xFFFF, nv_tot = PATCHED ? 0 : cb.tr.x >> 16;
     const int nk_in = cb.tr.y & 0xFFFF, nv_in = cb.tr.y >> 16;
@@ -487,7 +481,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) kv_decode_a
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
       u32 H0 = hbytes(cb.k.h, 2 * ks), H1 = hbytes(cb.k.h, 2 * ks + 1);
-      if constexpr (PATCHED) {  // the exponent fixes' H bits, in the slot where K's L plane was
+      if (PATCHED) {  // the exponent fixes' H bits, in the slot where K's L plane was
         const uint2 x = ld8<true>(tp + K_L + lane * 16 + (ks >> 1) * 512 + 8 * (ks & 1));
         H0 ^= x.x;
         H1 ^= x.y;
@@ -589,7 +583,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) kv_decode_a
 #pragma unroll
     for (int mb = 0; mb < D / 16; ++mb) {
       u32 H0 = hbytes(cb.v.h, 2 * mb), H1 = hbytes(cb.v.h, 2 * mb + 1);
-      if constexpr (PATCHED) {
+      if (PATCHED) {
         const uint2 x = ld8<true>(tp + V_L + lane * 16 + (mb >> 1) * 512 + 8 * (mb & 1));
         H0 ^= x.x;
         H1 ^= x.y;
@@ -692,7 +686,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) kv_decode_a
     if (prepare_patches(sp, b0.blk * TPP + tile % TPP)) {
       load_buf<true>(b0, sp, lane);  // the L planes as patched
       apply_patches(sp);
-      process(b0, tile, sp, Flag<true>{});
+      process(b0, tile, sp, true);
 #if RING_BULK
       fence_proxy_async();  // this warp's writes to the slot are ordered before the bulk copy that refills it
 #endif
@@ -700,7 +694,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) kv_decode_a
 #endif
     {
       load_buf<true>(b0, sp, lane);
-      process(b0, tile, sp, Flag<false>{});
+      process(b0, tile, sp, false);
     }
     __syncwarp();  // every lane is done with the slot before the next issue refills it
   }
@@ -711,12 +705,12 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) kv_decode_a
   // Two buffers in turn: the next tile's bytes are in flight while this one decodes.
   while (tile < t_end) {
     if (tile + WARPS < t_end) fetch(b1, kk + 1, tile + WARPS);
-    process(b0, tile, tile_ptr(b0.blk, tile), Flag<false>{});
+    process(b0, tile, tile_ptr(b0.blk, tile), false);
     tile += WARPS;
     ++kk;
     if (tile >= t_end) break;
     if (tile + WARPS < t_end) fetch(b0, kk + 1, tile + WARPS);
-    process(b1, tile, tile_ptr(b1.blk, tile), Flag<false>{});
+    process(b1, tile, tile_ptr(b1.blk, tile), false);
     tile += WARPS;
     ++kk;
   }
