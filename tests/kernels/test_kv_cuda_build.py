@@ -1,4 +1,5 @@
-"""Every CUDA source compiles with NVRTC for the architectures Glyd ships to (no GPU needed), and the cache works.
+"""Every CUDA source (KV pages, the matmul) compiles with NVRTC for the architectures Glyd ships to (no GPU
+needed), and the cache works.
 
 A syntax or API slip in kernels/cuda fails here, in CI, rather than on a user's first start.
 """
@@ -50,3 +51,18 @@ def test_cubins_are_cached_by_source_defines_and_arch(tmp_path, monkeypatch: pyt
     nvrtc.cached_cubin("kv_pages.cu", "sm_90", {**defines, "GQ": 4})
     assert len(calls) == 3
     assert len(list((tmp_path / "cache" / "kernels").glob("*.cubin"))) == 3
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("rows", [1, 16])
+@pytest.mark.parametrize("n", [4096, 24576])  # the two default builds: two or three blocks a multiprocessor
+def test_matmul_kernels_compile_without_spills(arch: str, rows: int, n: int) -> None:
+    from kernels import matmul_cuda
+
+    defines = matmul_cuda.defines(rows, matmul_cuda.default_config(rows, n))  # what a user's first start builds
+    cubin, log = nvrtc.compile_cubin(matmul_cuda.SOURCE, arch, defines, log_ptxas=True)
+    assert cubin[:4] == b"\x7fELF"
+    for kernel in matmul_cuda.KERNELS:
+        assert f"Compiling entry function '{kernel}'" in log, kernel
+    assert all(" 0 bytes spill" in line for line in log.splitlines() if "spill stores" in line), log
+    assert "warning" not in log.lower(), log

@@ -1,0 +1,154 @@
+"""The fragment-order weight code: how a Glyd weight is held on an NVIDIA GPU for the CUDA matmul.
+
+The resident code (format/resident.py) is laid out row-major for the torch decode; the CUDA matmul
+(kernels/cuda/matmul.cu) wants each lane's 16-byte loads to hold exactly the values of its tensor-core
+fragments, bytes that become bf16 pairs with one byte permute. This module is that layout's reference: it
+builds it from bf16 bits and decodes it with the kernel's own word arithmetic, on any device, so CPU tests
+check what the GPU reads. 12 bits a weight plus 4 bytes an escape (docs/format.md section 4.1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+TILE_ROWS = 16  # rows of W an MMA tile holds
+CHUNK_COLS = 64  # columns of a chunk: four k16 steps
+CHUNK_BYTES = 3 * 32 * 16  # planes L(g), L(g + 8), H; 32 lanes; 16 bytes a lane
+WINDOW = 15  # codes 1..15 are exponents lo + 1 .. lo + 15; code 0 is an escape
+MAX_LO = 238  # lo is even and the window's top (lo + 15) a finite exponent
+HMASK = 0x87878787
+
+
+@dataclass
+class FragmentWeight:
+    shape: tuple[int, int]  # (N, K): y = x @ W.T
+    data: torch.Tensor  # uint8 [N/16 * K/64 * 1536]: (tile, chunk) blocks of three 512-byte planes
+    lo: int  # even; a code c decodes to exponent lo + c
+    rowptr: torch.Tensor  # int32 [N + 1]: row n's escapes are entries rowptr[n] .. rowptr[n + 1] - 1
+    esc: torch.Tensor  # int32 [e]: column << 16 | the value's bf16 bits, columns ascending within a row
+
+    @property
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() + 4 * (self.rowptr.numel() + self.esc.numel())
+
+    @property
+    def bits_per_value(self) -> float:
+        return 8 * self.nbytes / max(1, self.numel)
+
+    def to(self, device: torch.device | str) -> FragmentWeight:
+        return FragmentWeight(self.shape, self.data.to(device), self.lo, self.rowptr.to(device), self.esc.to(device))
+
+
+def unsupported(shape: tuple[int, ...]) -> str | None:
+    """Why a weight of this shape cannot take the fragment layout (None: it can)."""
+    if len(shape) != 2:
+        return f"the fragment layout holds 2-D weights, not {len(shape)}-D"
+    n, k = shape
+    if n % TILE_ROWS or k % CHUNK_COLS or n == 0 or k == 0:
+        return f"rows must be a multiple of {TILE_ROWS} and columns of {CHUNK_COLS}, not {n} x {k}"
+    if k >= 1 << 16:
+        return f"{k} columns: escape entries hold a 16-bit column"
+    return None
+
+
+def choose_lo(exp_hist: torch.Tensor) -> int:
+    """The even lo whose window (exponents lo + 1 .. lo + 15) holds the most values (ties: the higher)."""
+    h = exp_hist.to(torch.int64).cpu()
+    sums = torch.stack([h[lo + 1: lo + 1 + WINDOW].sum() for lo in range(0, MAX_LO + 1, 2)])
+    best = int(sums.max())
+    return 2 * int((sums == best).nonzero().max())
+
+
+def from_bits(bits: torch.Tensor) -> FragmentWeight:
+    """bf16 bit patterns [N, K] (int16 or bfloat16) -> the fragment layout, on their device."""
+    shape = tuple(bits.shape)
+    reason = unsupported(shape)
+    if reason:
+        raise ValueError(reason)
+    n, k = shape
+    u = bits.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+    e = (u >> 7) & 0xFF
+    lo = choose_lo(torch.bincount(e.reshape(-1), minlength=256))
+    c = e - lo
+    inside = (c >= 1) & (c <= WINDOW)
+    c = torch.where(inside, c, torch.zeros_like(c))
+    low = (((c & 1) << 7) | (u & 0x7F)).to(torch.uint8)
+    high = ((c >> 1) | ((u >> 8) & 0x80)).to(torch.uint8)  # sign << 7 | code >> 1
+    del e, c
+    nt, kc = n // TILE_ROWS, k // CHUNK_COLS
+    # row = 16 tile + 8 h + g, column = 64 chunk + 16 t + 4 j + b; lane = 4 g + t
+    planes = low.view(nt, 2, 8, kc, 4, 16).permute(0, 3, 1, 2, 4, 5).reshape(nt, kc, 2, 32, 16)
+    hb = high.view(nt, 2, 8, kc, 4, 4, 4).permute(0, 3, 2, 4, 5, 6, 1)  # [tile, chunk, g, t, j, b, h]
+    a, b = hb[..., 0], hb[..., 1]
+    h_plane = a | ((b & 7) << 4) | (torch.roll(b >> 7, 1, dims=-1) << 3)  # byte b: b - 1's row g+8 sign at bit 3
+    data = torch.cat([planes, h_plane.reshape(nt, kc, 1, 32, 16)], dim=2).reshape(-1).contiguous()
+    rows, cols = (~inside).nonzero(as_tuple=True)
+    entry = (cols.to(torch.int64) << 16) | u[rows, cols].to(torch.int64)
+    esc = torch.where(entry >= 1 << 31, entry - (1 << 32), entry).to(torch.int32)
+    counts = torch.bincount(rows, minlength=n)
+    rowptr = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
+    return FragmentWeight((n, k), data, lo, rowptr, esc)
+
+
+def from_resident(r: object) -> FragmentWeight:
+    """A resident weight (format/resident.py) in the fragment layout, on its device."""
+    from glyd_engine.format import resident
+
+    return from_bits(resident.decode(r).view(torch.int16))
+
+
+def _bytes_of(words: torch.Tensor) -> torch.Tensor:
+    """int64 words [..., w] -> their 4 little-endian bytes [..., w, 4]."""
+    return torch.stack([(words >> (8 * i)) & 0xFF for i in range(4)], dim=-1)
+
+
+def _f32(bits: torch.Tensor) -> torch.Tensor:
+    """bf16 bit patterns (int64, 0..0xFFFF) as fp32 values."""
+    b = bits << 16
+    return torch.where(b >= 1 << 31, b - (1 << 32), b).to(torch.int32).view(torch.float32)
+
+
+def decode(f: FragmentWeight) -> torch.Tensor:
+    """W in bf16 [N, K], bit for bit, by the kernel's arithmetic: per H word a mask, a rotate and an add of lo / 2
+    a byte, then high and low bytes joined; escapes written over their places."""
+    n, k = f.shape
+    nt, kc = n // TILE_ROWS, k // CHUNK_COLS
+    d = f.data.view(nt, kc, 3, 32, 16).to(torch.int64)
+    low = d[:, :, :2]  # [tile, chunk, h, lane, 16]
+    hw = d[:, :, 2].view(nt, kc, 32, 4, 4)
+    hw = hw[..., 0] | (hw[..., 1] << 8) | (hw[..., 2] << 16) | (hw[..., 3] << 24)  # [tile, chunk, lane, j]
+    kb = (f.lo >> 1) * 0x01010101
+    rot = ((hw >> 4) | (hw << 28)) & 0xFFFFFFFF
+    high = torch.stack([_bytes_of(((hw & HMASK) + kb) & 0xFFFFFFFF),
+                        _bytes_of(((rot & HMASK) + kb) & 0xFFFFFFFF)], dim=2)  # [tile, chunk, h, lane, j, b]
+    bits = (high.reshape(nt, kc, 2, 32, 16) << 8) | low  # [tile, chunk, h, lane(g, t), 16 (j, b)]
+    bits = bits.view(nt, kc, 2, 8, 4, 16).permute(0, 2, 3, 1, 4, 5).reshape(n, k)
+    if f.esc.numel():
+        rows = torch.repeat_interleave(torch.arange(n, device=f.esc.device),
+                                       (f.rowptr[1:] - f.rowptr[:-1]).to(torch.int64))
+        entry = f.esc.to(torch.int64) & 0xFFFFFFFF
+        bits[rows, entry >> 16] = entry & 0xFFFF
+    return torch.where(bits >= 1 << 15, bits - (1 << 16), bits).to(torch.int16).view(torch.bfloat16)
+
+
+def matmul_reference(x: torch.Tensor, f: FragmentWeight) -> torch.Tensor:
+    """x @ W.T in fp32 as the kernel computes it: W with escapes decoded as code 0 through the matmul, then
+    x (true - decoded) added for each escape (the checks' model of the kernel, not a fast path)."""
+    n, k = f.shape
+    w = decode(FragmentWeight(f.shape, f.data, f.lo, torch.zeros_like(f.rowptr), f.esc[:0])).float()
+    y = x.float() @ w.T
+    if f.esc.numel():
+        rows = torch.repeat_interleave(torch.arange(n, device=f.esc.device),
+                                       (f.rowptr[1:] - f.rowptr[:-1]).to(torch.int64))
+        entry = f.esc.to(torch.int64) & 0xFFFFFFFF
+        cols, true = entry >> 16, entry & 0xFFFF
+        used = (true & 0x807F) | (f.lo << 7)
+        delta = _f32(true) - _f32(used)
+        y.index_add_(1, rows, x.float()[:, cols] * delta)
+    return y

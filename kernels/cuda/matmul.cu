@@ -1,0 +1,255 @@
+// The Glyd matmul on NVIDIA GPUs (sm_80+): y = x W^T (+ bias) for 1-16 rows of x, W in the fragment-order weight
+// code (docs/format.md section 4.1, glyd_engine/format/fragment_weight.py, the torch reference). Compiled at run time
+// by NVRTC (kernels/nvrtc.py) with -D MT (8-row tiles of x: 1 or 2), NT (16-row tiles of W a block), WARPS (streaming
+// warps a block), STAGES (chunks a warp holds in registers: one decoding, the rest in flight) and MIN_BLOCKS (blocks a
+// multiprocessor: the register budget).
+//
+// mma.sync.m16n8k16 (bf16 in, fp32 accumulate), lane = 4 g + t:  C^T = W·x^T,  A = 16 rows of W x 16 columns,
+// B = x^T [16 columns x 8 rows of x].  A 64-column chunk of a 16-row tile is four k16 steps; in step j, the MMA's
+// k slots 2t, 2t+1 hold columns 16 t + 4 j + {0, 1} and slots 2t+8, 2t+9 columns 16 t + 4 j + {2, 3} (the same
+// permutation of k on both operands leaves the product alone). So a lane's A values of a chunk are rows g and g+8,
+// columns 16 t .. 16 t + 15 (the layout stores them as one lane's three 16-byte loads), and its B values are 16
+// consecutive columns of x row g (two 16-byte loads, no shuffle).
+//
+// Decoding, per step j: L words (a byte a value: the code's low bit << 7 | mantissa) of rows g and g + 8, and an H word
+// whose byte b holds row g's sign and code >> 1 at bits {7, 2..0}, row g+8's code >> 1 at bits {6..4} and the sign of
+// row g+8's value b+1 at bit 3 of byte b+1. One mask gives row g's high bytes, a rotate by 4 and the same mask row
+// g+8's; adding lo / 2 to each byte makes them sign << 7 | exponent >> 1 (lo is even); a byte permute joins high and
+// low bytes into two bf16 pairs. That is 9 integer instructions for 8 values. Escaped values carry code 0 (exponent lo,
+// their own sign and mantissa); each row's list entry (column << 16 | the true bits) adds x (true - decoded).
+//
+// A block holds NT tiles of W (16 NT rows, the whole of K): its WARPS streaming warps take a share of K each, one more
+// warp walks the rows' escape lists (a chain of dependent loads that would stall a streaming warp), and the warps'
+// sums meet in shared memory, added in warp order: no partial sums leave the block, and a call gives the same bits on
+// every run.
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+
+#ifndef MT
+#define MT 1
+#endif
+#ifndef WARPS
+#define WARPS 8  // streaming warps a block; one more warp adds the escapes
+#endif
+#ifndef STAGES
+#define STAGES 3
+#endif
+#ifndef MIN_BLOCKS
+#define MIN_BLOCKS 2
+#endif
+#ifndef NT
+#define NT 1  // 16-row tiles of W a warp streams side by side (they share x's registers)
+#endif
+#ifndef EB
+#define EB (MT == 1 ? 6 : 4)  // escape entries a row the escape warp loads at once
+#endif
+#define CHUNK_U4 96u  // 16-byte units of a (16-row tile, 64-column chunk): planes L(g), L(g+8), H; 32 lanes each
+#define HMASK 0x87878787u
+
+static_assert(MT == 1 || MT == 2, "1-8 or 9-16 rows of x");
+static_assert(STAGES >= 1 && STAGES <= 4, "1-4 chunks in registers");
+
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 s) {
+  u32 r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(s));
+  return r;
+}
+__device__ __forceinline__ u32 rotr(u32 x, int n) { return __funnelshift_r(x, x, n); }
+__device__ __forceinline__ float bf(u32 bits16) { return __uint_as_float(bits16 << 16); }
+__device__ __forceinline__ u16 to_bf16(float v) {
+  u16 r;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(v));
+  return r;
+}
+__device__ __forceinline__ void mma(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+// W is read once: stream it past L1. x is read by every warp of the block: keep it there.
+__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
+  uint4 r;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+      : "l"(p));
+  return r;
+}
+__device__ __forceinline__ u32 word(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
+
+// The four A registers of step j from a chunk's three words.
+__device__ __forceinline__ void decode_step(u32 lg, u32 lg8, u32 hw, u32 kb, u32& a0, u32& a1, u32& a2, u32& a3) {
+  const u32 ha = (hw & HMASK) + kb, hb = (rotr(hw, 4) & HMASK) + kb;
+  a0 = prmt(lg, ha, 0x5140);   // row g, columns 4j, 4j+1
+  a1 = prmt(lg8, hb, 0x5140);  // row g+8
+  a2 = prmt(lg, ha, 0x7362);   // row g, columns 4j+2, 4j+3
+  a3 = prmt(lg8, hb, 0x7362);
+}
+
+extern "C" __global__ void __launch_bounds__((WARPS + 1) * 32, MIN_BLOCKS) glyd_mm(
+    u16* __restrict__ y, const uint4* __restrict__ w, const u16* __restrict__ x, const u16* __restrict__ bias,
+    const int* __restrict__ rowptr, const u32* __restrict__ esc, int M, int N, int K, int ldx, int lo, int has_bias) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, warp = threadIdx.x >> 5;
+  const int chunks = K >> 6;
+  const int tile0 = blockIdx.x * NT;
+  __shared__ float red[WARPS + 1][NT * MT * 4][32];
+  float acc[NT][MT][4];
+#pragma unroll
+  for (int n = 0; n < NT; ++n)
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) acc[n][mt][0] = acc[n][mt][1] = acc[n][mt][2] = acc[n][mt][3] = 0.f;
+
+  if (warp < WARPS) {  // a share of K: chunks [c0, c1) of the block's NT tiles
+    const int c0 = warp * chunks / WARPS, c1 = (warp + 1) * chunks / WARPS;
+    const bool has0 = g < M, has1 = MT == 2 && g + 8 < M;
+    const uint4* xp0 = reinterpret_cast<const uint4*>(x + size_t(g) * ldx) + 2 * t;  // + 8 a chunk
+    const uint4* xp1 = reinterpret_cast<const uint4*>(x + size_t(g + 8) * ldx) + 2 * t;
+    const uint4* wp = w + size_t(tile0) * chunks * CHUNK_U4 + lane;
+    const size_t tile_u4 = size_t(chunks) * CHUNK_U4;
+    const u32 kb = u32(lo >> 1) * 0x01010101u;
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+    uint4 wb[STAGES][NT][3], xb[STAGES][2 * MT];
+    auto load = [&](uint4(&ws)[NT][3], uint4(&xs)[2 * MT], int c) {
+      if (c < c1) {
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+          const uint4* p = wp + n * tile_u4 + size_t(c) * CHUNK_U4;
+          ws[n][0] = ld_stream(p);
+          ws[n][1] = ld_stream(p + 32);
+          ws[n][2] = ld_stream(p + 64);
+        }
+        xs[0] = has0 ? __ldg(xp0 + 8 * c) : zero;
+        xs[1] = has0 ? __ldg(xp0 + 8 * c + 1) : zero;
+        if (MT == 2) {
+          xs[2 * MT - 2] = has1 ? __ldg(xp1 + 8 * c) : zero;
+          xs[2 * MT - 1] = has1 ? __ldg(xp1 + 8 * c + 1) : zero;
+        }
+      }
+    };
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) load(wb[s], xb[s], c0 + s);
+    for (int c = c0; c < c1; c += STAGES) {
+#pragma unroll
+      for (int s = 0; s < STAGES; ++s) {
+        if (c + s < c1) {
+#pragma unroll
+          for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+              u32 a0, a1, a2, a3;
+              decode_step(word(wb[s][n][0], j), word(wb[s][n][1], j), word(wb[s][n][2], j), kb, a0, a1, a2, a3);
+#pragma unroll
+              for (int mt = 0; mt < MT; ++mt) {
+                const uint4& xv = xb[s][2 * mt + (j >> 1)];
+                mma(acc[n][mt], a0, a1, a2, a3, word(xv, (2 * j) & 3), word(xv, (2 * j + 1) & 3));
+              }
+            }
+          load(wb[s], xb[s], c + s + STAGES);
+        }
+      }
+    }
+  } else {  // the escape warp: x (true - decoded) for every escape of the block's rows, in list order
+#pragma unroll 1
+    for (int n = 0; n < NT; ++n) {
+      int e[2], e1[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = 16 * (tile0 + n) + g + 8 * h;
+        e[h] = __ldg(rowptr + row);
+        e1[h] = __ldg(rowptr + row + 1);
+      }
+      u32 en[2][EB];
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int q = 0; q < EB; ++q) en[h][q] = e[h] + q < e1[h] ? __ldg(esc + e[h] + q) : 0u;
+      // one batch of EB entries a row a round trip: its x values load with the next batch's entries
+      while (e[0] < e1[0] || e[1] < e1[1]) {
+        float xv[2][EB][MT][2];
+        u32 nx[2][EB];
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int q = 0; q < EB; ++q) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+              for (int r = 0; r < 2; ++r) {
+                const int m = 8 * mt + 2 * t + r;
+                xv[h][q][mt][r] = e[h] + q < e1[h] && m < M ? bf(__ldg(x + size_t(m) * ldx + (en[h][q] >> 16))) : 0.f;
+              }
+            nx[h][q] = e[h] + EB + q < e1[h] ? __ldg(esc + e[h] + EB + q) : 0u;
+          }
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int q = 0; q < EB; ++q) {
+            const float tv = bf(en[h][q] & 0xFFFFu), dv = bf((en[h][q] & 0x807Fu) | (u32(lo) << 7));
+            if (e[h] + q < e1[h]) {
+#pragma unroll
+              for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int r = 0; r < 2; ++r)
+                  acc[n][mt][2 * h + r] = fmaf(tv, xv[h][q][mt][r], fmaf(-dv, xv[h][q][mt][r], acc[n][mt][2 * h + r]));
+            }
+            en[h][q] = nx[h][q];
+          }
+        e[0] += EB;
+        e[1] += EB;
+      }
+    }
+  }
+
+  // the warps' sums, added in warp order: C[g + 8h][2t + r] of (tile n, x-row tile mt) is y[8 mt + 2t + r][16 tile + g + 8h]
+#pragma unroll
+  for (int n = 0; n < NT; ++n)
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) red[warp][(n * MT + mt) * 4 + i][lane] = acc[n][mt][i];
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < NT * MT * 4 * 32; idx += (WARPS + 1) * 32) {
+    const int i = idx >> 5, ln = idx & 31;
+    const int n = i / (MT * 4), mt = (i / 4) % MT, q = i & 3;
+    const int m = 8 * mt + 2 * (ln & 3) + (q & 1), row = 16 * (tile0 + n) + (ln >> 2) + 8 * (q >> 1);
+    if (m >= M) continue;
+    float v = 0.f;
+#pragma unroll
+    for (int wi = 0; wi <= WARPS; ++wi) v += red[wi][i][ln];
+    y[size_t(m) * N + row] = to_bf16(v + (has_bias ? bf(bias[row]) : 0.f));
+  }
+}
+
+// W in bf16 [N, K], escapes as decoded (code 0): a warp a (tile, chunk). glyd_mm_patch then writes the escapes.
+extern "C" __global__ void __launch_bounds__(128) glyd_mm_decode(u16* __restrict__ out, const uint4* __restrict__ w,
+                                                                 int N, int K, int lo) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int chunks = K >> 6;
+  const long long unit = (long long)blockIdx.x * 4 + (threadIdx.x >> 5);
+  if (unit >= (long long)(N >> 4) * chunks) return;
+  const int tile = int(unit / chunks), c = int(unit % chunks);
+  const uint4* p = w + size_t(unit) * CHUNK_U4 + lane;
+  const uint4 l0 = ld_stream(p), l1 = ld_stream(p + 32), hw = ld_stream(p + 64);
+  const u32 kb = u32(lo >> 1) * 0x01010101u;
+  u32 r0[8], r1[8];
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+    decode_step(word(l0, j), word(l1, j), word(hw, j), kb, r0[2 * j], r1[2 * j], r0[2 * j + 1], r1[2 * j + 1]);
+  uint4* o0 = reinterpret_cast<uint4*>(out + size_t(16 * tile + g) * K + 64 * c + 16 * t);
+  uint4* o1 = reinterpret_cast<uint4*>(out + size_t(16 * tile + g + 8) * K + 64 * c + 16 * t);
+  o0[0] = make_uint4(r0[0], r0[1], r0[2], r0[3]);
+  o0[1] = make_uint4(r0[4], r0[5], r0[6], r0[7]);
+  o1[0] = make_uint4(r1[0], r1[1], r1[2], r1[3]);
+  o1[1] = make_uint4(r1[4], r1[5], r1[6], r1[7]);
+}
+
+extern "C" __global__ void __launch_bounds__(128) glyd_mm_patch(u16* __restrict__ out, const int* __restrict__ rowptr,
+                                                                const u32* __restrict__ esc, int N, int K) {
+  const int row = blockIdx.x * 4 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+  if (row >= N) return;
+  for (int e = rowptr[row] + lane; e < rowptr[row + 1]; e += 32) {
+    const u32 en = esc[e];
+    out[size_t(row) * K + (en >> 16)] = u16(en & 0xFFFFu);
+  }
+}

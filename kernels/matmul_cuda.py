@@ -1,0 +1,109 @@
+"""Launchers of the CUDA Glyd matmul (kernels/cuda/matmul.cu) on fragment-order weights (format/fragment_weight.py).
+
+`matmul` runs y = x @ W.T (+ bias) for 1-16 rows of x in one launch: a block holds 16 or 32 rows of W, its warps
+stream a share of K each chunk by chunk through registers into the tensor cores, one more warp adds the escapes,
+and the warps' sums meet in shared memory in a fixed order (the same bits on every run). `decode` writes W out in
+bf16 for prefill-sized matmuls (decode once, then the bf16 GEMM).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from glyd_engine.format.fragment_weight import CHUNK_COLS, TILE_ROWS, FragmentWeight
+from kernels import nvrtc
+
+SOURCE = "matmul.cu"
+KERNELS = ("glyd_mm", "glyd_mm_decode", "glyd_mm_patch")
+MAX_ROWS = 16  # 1-8 rows take one 8-row MMA tile of x, 9-16 two; more rows decode once and use the bf16 GEMM
+
+
+@dataclass(frozen=True)
+class Config:
+    tiles: int = 0  # 16-row tiles of W a block (1 or 2; 0: 1 for up to 8 rows of x, 2 above, where W's tiles pair up)
+    warps: int = 8  # streaming warps a block, each a share of K (one more adds the escapes)
+    stages: int = 2  # chunks a warp holds in registers (one decoding, the rest loading)
+    min_blocks: int = 2  # blocks a multiprocessor (the register budget)
+
+
+def default_config(rows: int, n: int = 0, sms: int = 132) -> Config:
+    """The H200's best of bench/gpu_linear.py's sweep (docs/benchmarks.md) for W with n rows: 8 streaming warps and
+    two blocks a multiprocessor where all blocks fit at once that way, else 7 and three (more blocks a wave).
+    Both compile without spills (tests/kernels/test_kv_cuda_build.py)."""
+    if n // TILE_ROWS > 2 * sms:
+        return Config(tiles=1, warps=7, min_blocks=3)
+    return Config(tiles=1, warps=8 if rows <= 8 else 7, min_blocks=2)  # 9-16 rows: 8 warps spill on sm_80
+
+
+def _tiles(rows: int, n: int, cfg: Config) -> int:
+    nt = cfg.tiles or (1 if rows <= 8 else 2)
+    return nt if (n // TILE_ROWS) % nt == 0 else 1
+
+
+def defines(rows: int, cfg: Config, n: int = TILE_ROWS * 2) -> dict[str, int]:
+    return {"MT": 1 if rows <= 8 else 2, "NT": _tiles(rows, n, cfg), "WARPS": cfg.warps, "STAGES": cfg.stages,
+            "MIN_BLOCKS": cfg.min_blocks}
+
+
+@functools.lru_cache(maxsize=64)
+def _module(defs: tuple[tuple[str, int], ...], device: int) -> dict:
+    return nvrtc.load(SOURCE, dict(defs), KERNELS, device)
+
+
+def kernels(rows: int, cfg: Config, device: torch.device, n: int = TILE_ROWS * 2) -> dict:
+    return _module(tuple(sorted(defines(rows, cfg, n).items())), device.index or 0)
+
+
+@functools.lru_cache(maxsize=8)
+def _multiprocessors(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _check_x(x: torch.Tensor, cols: int) -> None:
+    if x.dim() != 2 or x.shape[1] != cols or x.dtype != torch.bfloat16:
+        raise ValueError(f"x must be bf16 [M, {cols}], not {x.dtype} {tuple(x.shape)}")
+    if x.shape[0] > MAX_ROWS:
+        raise ValueError(f"{x.shape[0]} rows: the fused kernel takes up to {MAX_ROWS}; decode once and use the "
+                         "bf16 GEMM")
+
+
+def matmul(x: torch.Tensor, f: FragmentWeight, bias: torch.Tensor | None = None, cfg: Config | None = None
+           ) -> torch.Tensor:
+    """y = x @ W.T (+ bias), bf16 [M, N], for x bf16 [M <= 16, K] on W's device."""
+    n, k = f.shape
+    _check_x(x, k)
+    m = x.shape[0]
+    y = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
+    if m == 0:
+        return y
+    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:  # rows are read as 16-byte vectors
+        x = x.contiguous()
+    cfg = cfg or default_config(m, n, _multiprocessors(x.device.index or 0))
+    has_bias = bias is not None
+    if has_bias and (bias.dtype != torch.bfloat16 or bias.numel() != n):
+        bias = bias.to(torch.bfloat16).reshape(n)
+    blocks = n // TILE_ROWS // _tiles(m, n, cfg)
+    kernels(m, cfg, x.device, n)["glyd_mm"](
+        (blocks,), (32 * (cfg.warps + 1),),
+        [y, f.data, x, bias.contiguous() if has_bias else y, f.rowptr, f.esc, m, n, k, x.stride(0), f.lo,
+         int(has_bias)])
+    return y
+
+
+def decode(f: FragmentWeight) -> torch.Tensor:
+    """W in bf16 [N, K], bit for bit."""
+    n, k = f.shape
+    out = torch.empty(n, k, dtype=torch.bfloat16, device=f.data.device)
+    ks = kernels(1, Config(), f.data.device)
+    units = (n // TILE_ROWS) * (k // CHUNK_COLS)
+    ks["glyd_mm_decode"]((math.ceil(units / 4),), (128,), [out, f.data, n, k, f.lo])
+    if f.esc.numel():
+        ks["glyd_mm_patch"]((math.ceil(n / 4),), (128,), [out, f.rowptr, f.esc, n, k])
+    return out
+
+
+__all__ = ["MAX_ROWS", "Config", "decode", "default_config", "matmul"]
