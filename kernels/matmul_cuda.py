@@ -28,15 +28,19 @@ class Config:
     warps: int = 8  # streaming warps a block, each a share of K (one more adds the escapes)
     stages: int = 2  # chunks a warp holds in registers (one decoding, the rest loading)
     min_blocks: int = 2  # blocks a multiprocessor (the register budget)
+    escape_warps: int = 1  # warps a block that walk the escape lists (1 or 2)
 
 
 def default_config(rows: int, n: int = 0, sms: int = 132) -> Config:
-    """The H200's best of bench/gpu_linear.py's sweep (docs/benchmarks.md) for W with n rows: 8 streaming warps and
-    two blocks a multiprocessor where all blocks fit at once that way, else 7 and three (more blocks a wave).
-    Both compile without spills (tests/kernels/test_kv_cuda_build.py)."""
-    if n // TILE_ROWS > 2 * sms:
-        return Config(tiles=1, warps=7, min_blocks=3)
-    return Config(tiles=1, warps=8 if rows <= 8 else 7, min_blocks=2)  # 9-16 rows: 8 warps spill on sm_80
+    """The H200's best of bench/gpu_linear.py's sweep (docs/benchmarks.md) for W with n rows, two escape warps a
+    block: where W has at most two 16-row tiles a multiprocessor, more streaming warps a block (each a shorter share
+    of K); 9-16 rows of x take fewer (registers). Every default compiles without spills
+    (tests/kernels/test_kv_cuda_build.py)."""
+    few_tiles = n // TILE_ROWS <= 2 * sms
+    if rows <= 8:
+        return Config(tiles=1, warps=14 if few_tiles else 8, min_blocks=2, escape_warps=2)
+    return Config(tiles=1, warps=7, min_blocks=2, escape_warps=2) if few_tiles else \
+        Config(tiles=1, warps=6, min_blocks=3, escape_warps=2)
 
 
 def _tiles(rows: int, n: int, cfg: Config) -> int:
@@ -46,7 +50,7 @@ def _tiles(rows: int, n: int, cfg: Config) -> int:
 
 def defines(rows: int, cfg: Config, n: int = TILE_ROWS * 2) -> dict[str, int]:
     return {"MT": 1 if rows <= 8 else 2, "NT": _tiles(rows, n, cfg), "WARPS": cfg.warps, "STAGES": cfg.stages,
-            "MIN_BLOCKS": cfg.min_blocks}
+            "MIN_BLOCKS": cfg.min_blocks, "EW": cfg.escape_warps}
 
 
 @functools.lru_cache(maxsize=64)
@@ -88,7 +92,7 @@ def matmul(x: torch.Tensor, f: FragmentWeight, bias: torch.Tensor | None = None,
         bias = bias.to(torch.bfloat16).reshape(n)
     blocks = n // TILE_ROWS // _tiles(m, n, cfg)
     kernels(m, cfg, x.device, n)["glyd_mm"](
-        (blocks,), (32 * (cfg.warps + 1),),
+        (blocks,), (32 * (cfg.warps + cfg.escape_warps),),
         [y, f.data, x, bias.contiguous() if has_bias else y, f.rowptr, f.esc, m, n, k, x.stride(0), f.lo,
          int(has_bias)])
     return y

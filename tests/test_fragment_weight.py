@@ -100,6 +100,14 @@ def test_matmul_model_matches_float64():
     assert float(((got - ref)[finite].abs() / (ref[finite].abs() + 1)).max()) < 1e-5
 
 
+def test_decode_rows_is_the_rows_of_decode():
+    w = model_like(80, 128, seed=12, outliers=0.02, zeros=0.02)
+    f = fw.from_bits(w)
+    ids = torch.tensor([[79, 0, 17], [17, 33, 64]])
+    assert torch.equal(_bits(fw.decode_rows(f, ids)), _bits(w)[ids.reshape(-1)])
+    assert fw.decode_rows(f, ids[:0]).shape == (0, 128)
+
+
 def test_from_resident_equals_from_bf16():
     w = model_like(32, 192, seed=9)
     a, b = fw.from_resident(resident.from_bf16(w)), fw.from_bits(w)

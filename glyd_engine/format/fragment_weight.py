@@ -103,38 +103,49 @@ def from_resident(r: object) -> FragmentWeight:
     return from_bits(resident.decode(r).view(torch.int16))
 
 
-def _bytes_of(words: torch.Tensor) -> torch.Tensor:
-    """int64 words [..., w] -> their 4 little-endian bytes [..., w, 4]."""
-    return torch.stack([(words >> (8 * i)) & 0xFF for i in range(4)], dim=-1)
+def decode(f: FragmentWeight) -> torch.Tensor:
+    """W in bf16 [N, K], bit for bit, by the kernel's arithmetic a byte at a time: an H word masked, and rotated by 4
+    then masked, gives rows g and g + 8's high bytes; lo / 2 added to each; high and low bytes joined; escapes
+    written over their places."""
+    n, k = f.shape
+    nt, kc = n // TILE_ROWS, k // CHUNK_COLS
+    d = f.data.view(nt, kc, 3, 32, 16)
+    hw = d[:, :, 2].view(nt, kc, 32, 4, 4)  # [tile, chunk, lane, j, byte]
+    rot = (hw >> 4) | (torch.roll(hw, -1, dims=-1) << 4)  # the word rotated right by 4, byte by byte
+    mask, add = HMASK & 0xFF, f.lo >> 1
+    high = torch.stack([(hw & mask) + add, (rot & mask) + add], dim=2)  # [tile, chunk, h, lane, j, b], no carries
+    bits = (high.reshape(nt, kc, 2, 32, 16).to(torch.int32) << 8) | d[:, :, :2].to(torch.int32)
+    bits = bits.view(nt, kc, 2, 8, 4, 16).permute(0, 2, 3, 1, 4, 5).reshape(n, k)
+    if f.esc.numel():
+        rows = torch.repeat_interleave(torch.arange(n, device=f.esc.device),
+                                       (f.rowptr[1:] - f.rowptr[:-1]).to(torch.int64))
+        entry = f.esc.to(torch.int64) & 0xFFFFFFFF
+        bits[rows, entry >> 16] = (entry & 0xFFFF).to(torch.int32)
+    return torch.where(bits >= 1 << 15, bits - (1 << 16), bits).to(torch.int16).view(torch.bfloat16)
+
+
+def decode_rows(f: FragmentWeight, rows: torch.Tensor) -> torch.Tensor:
+    """Rows of W (an embedding lookup), bf16 [len(rows), K], decoding only the 16-row tiles they fall in."""
+    n, k = f.shape
+    rows = rows.reshape(-1).to(torch.int64)
+    tiles, where = torch.unique(rows // TILE_ROWS, return_inverse=True)
+    data = f.data.view(n // TILE_ROWS, -1)[tiles].reshape(-1)
+    sub_rows = (tiles[:, None] * TILE_ROWS + torch.arange(TILE_ROWS, device=rows.device)).reshape(-1)
+    first = f.rowptr[:-1].to(torch.int64)[sub_rows]
+    counts = f.rowptr[1:].to(torch.int64)[sub_rows] - first
+    ends = counts.cumsum(0)
+    total = int(ends[-1]) if ends.numel() else 0
+    within = torch.arange(total, device=rows.device) - torch.repeat_interleave(ends - counts, counts)
+    esc = f.esc[torch.repeat_interleave(first, counts) + within]
+    rowptr = torch.cat([ends.new_zeros(1), ends]).to(torch.int32)
+    w = decode(FragmentWeight((len(tiles) * TILE_ROWS, k), data, f.lo, rowptr, esc))
+    return w[where * TILE_ROWS + rows % TILE_ROWS]
 
 
 def _f32(bits: torch.Tensor) -> torch.Tensor:
     """bf16 bit patterns (int64, 0..0xFFFF) as fp32 values."""
     b = bits << 16
     return torch.where(b >= 1 << 31, b - (1 << 32), b).to(torch.int32).view(torch.float32)
-
-
-def decode(f: FragmentWeight) -> torch.Tensor:
-    """W in bf16 [N, K], bit for bit, by the kernel's arithmetic: per H word a mask, a rotate and an add of lo / 2
-    a byte, then high and low bytes joined; escapes written over their places."""
-    n, k = f.shape
-    nt, kc = n // TILE_ROWS, k // CHUNK_COLS
-    d = f.data.view(nt, kc, 3, 32, 16).to(torch.int64)
-    low = d[:, :, :2]  # [tile, chunk, h, lane, 16]
-    hw = d[:, :, 2].view(nt, kc, 32, 4, 4)
-    hw = hw[..., 0] | (hw[..., 1] << 8) | (hw[..., 2] << 16) | (hw[..., 3] << 24)  # [tile, chunk, lane, j]
-    kb = (f.lo >> 1) * 0x01010101
-    rot = ((hw >> 4) | (hw << 28)) & 0xFFFFFFFF
-    high = torch.stack([_bytes_of(((hw & HMASK) + kb) & 0xFFFFFFFF),
-                        _bytes_of(((rot & HMASK) + kb) & 0xFFFFFFFF)], dim=2)  # [tile, chunk, h, lane, j, b]
-    bits = (high.reshape(nt, kc, 2, 32, 16) << 8) | low  # [tile, chunk, h, lane(g, t), 16 (j, b)]
-    bits = bits.view(nt, kc, 2, 8, 4, 16).permute(0, 2, 3, 1, 4, 5).reshape(n, k)
-    if f.esc.numel():
-        rows = torch.repeat_interleave(torch.arange(n, device=f.esc.device),
-                                       (f.rowptr[1:] - f.rowptr[:-1]).to(torch.int64))
-        entry = f.esc.to(torch.int64) & 0xFFFFFFFF
-        bits[rows, entry >> 16] = entry & 0xFFFF
-    return torch.where(bits >= 1 << 15, bits - (1 << 16), bits).to(torch.int16).view(torch.bfloat16)
 
 
 def matmul_reference(x: torch.Tensor, f: FragmentWeight) -> torch.Tensor:

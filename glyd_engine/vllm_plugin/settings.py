@@ -34,6 +34,12 @@ ENV_CODE = "GLYD_KV_CODE"
 CODES = ("auto", "3", "4")
 GPU_CODE_BITS = 4
 SUPPORTED_VLLM = ">=0.32,<0.34"
+ENV_WEIGHT_LAYOUT = "GLYD_WEIGHT_LAYOUT"
+# How `--quantization glyd` holds a weight in memory: resident (row-major; torch decode on the CPU, the Triton
+# kernels on CUDA) or fragment (the CUDA matmul's layout, docs/format.md section 4.1; on the CPU its torch
+# reference, which is how the tests run it in the real engine). auto: fragment on CUDA where the weight's shape
+# allows it and the CUDA matmul builds, resident elsewhere.
+WEIGHT_LAYOUTS = ("auto", "resident", "fragment")
 
 # Platforms where the lossless cache is measured at least as fast as vLLM's own (docs/vllm.md, "auto").
 # The CPU path decodes pages in plain torch and is slower than vLLM's C++ kernel: not listed.

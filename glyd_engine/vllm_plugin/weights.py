@@ -5,12 +5,18 @@ a placeholder parameter of the layer; its loader keeps the part, by shard, witho
 each layer's shards are checked (every part present, shapes as the layer expects), decoded once from the
 file's prefix code and re-coded into the resident form (format/resident.py, ~12 bits a weight), which stays
 in memory. Every matmul decodes its weight to bf16 and runs vLLM's own unquantized GEMM on it, so outputs
-equal the bf16 model's bit for bit; on CUDA the same op runs the Triton kernels (kernels/resident_linear.py).
-The embedding decodes only the rows a batch looks up; a tied lm_head reads the embedding's resident weight.
+equal the bf16 model's bit for bit. On CUDA a weight whose shape allows it is held in the fragment layout
+instead (format/fragment_weight.py, `GLYD_WEIGHT_LAYOUT`): the CUDA matmul (kernels/matmul_cuda.py) decodes it
+in registers for 1-16 rows of x, larger batches decode it once and run vLLM's GEMM; other weights run the
+Triton kernels (kernels/resident_linear.py). The embedding decodes only the rows a batch looks up on the CPU;
+a tied lm_head reads the embedding's weight.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,12 +31,17 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
 
 from glyd_engine.errors import CorruptFileError, UnsupportedModelError
 from glyd_engine.format import FORMAT_VERSION, resident
+from glyd_engine.format import fragment_weight as fw
 from glyd_engine.format import weights as wcode
 from glyd_engine.format.checkpoint import MIN_PACKED_VALUES, QUANT_METHOD
+from glyd_engine.vllm_plugin.settings import ENV_WEIGHT_LAYOUT, WEIGHT_LAYOUTS
+
+log = logging.getLogger("vllm.glyd")
 
 PART_DTYPES = {"sm": torch.uint8, "exp": torch.int32, "off": torch.int32, "len": torch.uint8, "meta": torch.int64}
 QKV_SHARDS = {"q": 0, "k": 1, "v": 2}
 BUFFERS = ("glyd_sm", "glyd_offs", "glyd_esc_pos", "glyd_esc_bits")
+FRAGMENT_BUFFERS = ("glyd_frag_data", "glyd_frag_rowptr", "glyd_frag_esc")
 
 
 # -- the matmul: one op, plain torch decode + vLLM's GEMM on the CPU, the fused Triton kernel on CUDA -----
@@ -103,8 +114,52 @@ def _(ids: torch.Tensor, sm: torch.Tensor, offs: torch.Tensor, esc_pos: torch.Te
     return ids.new_empty((*ids.shape, cols), dtype=torch.bfloat16)
 
 
+@torch.library.custom_op("glyd::fragment_linear", mutates_args=())
+def fragment_linear(x: torch.Tensor, data: torch.Tensor, rowptr: torch.Tensor, esc: torch.Tensor, lo: int, rows: int,
+                    cols: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W.T (+ bias), W in the fragment layout. CUDA: the CUDA matmul for up to 16 rows of x, else its decode +
+    vLLM's GEMM. CPU: the layout's torch decode + vLLM's GEMM (the bf16 model's bits; how the tests run it)."""
+    f = fw.FragmentWeight((rows, cols), data, lo, rowptr, esc)
+    if x.is_cuda:
+        from kernels import matmul_cuda as kernel
+
+        flat = x.reshape(-1, cols)
+        if flat.shape[0] <= kernel.MAX_ROWS:
+            return kernel.matmul(flat, f, bias).reshape(*x.shape[:-1], rows)
+        return dense_gemm(x, kernel.decode(f), bias)
+    return dense_gemm(x, fw.decode(f), bias)
+
+
+@fragment_linear.register_fake
+def _(x: torch.Tensor, data: torch.Tensor, rowptr: torch.Tensor, esc: torch.Tensor, lo: int, rows: int, cols: int,
+      bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], rows))
+
+
+@torch.library.custom_op("glyd::fragment_embedding", mutates_args=())
+def fragment_embedding(ids: torch.Tensor, data: torch.Tensor, rowptr: torch.Tensor, esc: torch.Tensor, lo: int,
+                       rows: int, cols: int) -> torch.Tensor:
+    """Embedding rows [*ids.shape, cols] of a fragment-layout weight. CUDA: decode all, then gather (no host sync,
+    CUDA-graph safe). CPU: only the 16-row tiles the ids fall in."""
+    f = fw.FragmentWeight((rows, cols), data, lo, rowptr, esc)
+    if ids.is_cuda:
+        from kernels import matmul_cuda as kernel
+
+        return torch.nn.functional.embedding(ids, kernel.decode(f))
+    return fw.decode_rows(f, ids).reshape(*ids.shape, cols)
+
+
+@fragment_embedding.register_fake
+def _(ids: torch.Tensor, data: torch.Tensor, rowptr: torch.Tensor, esc: torch.Tensor, lo: int, rows: int,
+      cols: int) -> torch.Tensor:
+    return ids.new_empty((*ids.shape, cols), dtype=torch.bfloat16)
+
+
 def _apply(src: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     rows, cols = src.glyd_shape
+    if src.glyd_layout == "fragment":
+        return fragment_linear(x, src.glyd_frag_data, src.glyd_frag_rowptr, src.glyd_frag_esc, src.glyd_lo, rows, cols,
+                               bias)
     return resident_linear(x, src.glyd_sm, src.glyd_offs, src.glyd_esc_pos, src.glyd_esc_bits, src.glyd_plan_rowptr,
                            src.glyd_plan_col, src.glyd_plan_corr, src.glyd_base, rows, cols, bias)
 
@@ -191,8 +246,43 @@ def _remove_part_params(layer: torch.nn.Module) -> None:
         layer._parameters.pop(wcode.part_name("weight", part), None)
 
 
+@functools.lru_cache(maxsize=8)
+def _cuda_matmul_builds(device: torch.device) -> bool:
+    """Whether the CUDA matmul compiles and loads here (a failure leaves weights to the Triton kernels, logged)."""
+    try:
+        from kernels import matmul_cuda
+
+        matmul_cuda.kernels(1, matmul_cuda.default_config(1), device)
+        return True
+    except Exception as exc:  # noqa: BLE001 (NVRTC missing, a build or load failure: serve, slower)
+        log.warning("Glyd: the CUDA matmul is not available (%s); weights stay in the resident layout and run the "
+                    "Triton kernels", exc)
+        return False
+
+
+def weight_layout(device: torch.device, shape: tuple[int, ...]) -> str:
+    """`resident` or `fragment` for a weight of this shape on this device (`GLYD_WEIGHT_LAYOUT`, settings.py)."""
+    asked = os.environ.get(ENV_WEIGHT_LAYOUT, "auto").strip().lower() or "auto"
+    if asked not in WEIGHT_LAYOUTS:
+        raise UnsupportedModelError(f"{ENV_WEIGHT_LAYOUT}={asked!r} is not a weight layout: use one of "
+                                    f"{', '.join(WEIGHT_LAYOUTS)} (or leave it unset for auto)")
+    if asked == "resident" or fw.unsupported(shape) is not None:
+        return "resident"
+    if asked == "fragment":
+        return "fragment"
+    return "fragment" if device.type == "cuda" and _cuda_matmul_builds(device) else "resident"
+
+
 def _install(layer: torch.nn.Module, r: resident.ResidentWeight, device: torch.device) -> None:
     r = r.to(device)
+    layer.glyd_shape, layer.glyd_values = r.shape, r.numel
+    layer.glyd_layout = weight_layout(device, r.shape)
+    if layer.glyd_layout == "fragment":
+        f = fw.from_resident(r)
+        for name, t in zip(FRAGMENT_BUFFERS, (f.data, f.rowptr, f.esc), strict=True):
+            layer.register_buffer(name, t, persistent=False)
+        layer.glyd_lo, layer.glyd_bytes, layer.glyd_escapes = f.lo, f.nbytes, int(f.esc.numel())
+        return
     for name, t in zip(BUFFERS, (r.sm, r.offs, r.esc_pos, r.esc_bits), strict=True):
         layer.register_buffer(name, t, persistent=False)
     plan = (torch.empty(0, dtype=torch.int32, device=device),) * 2 + (torch.empty(0, device=device),)
@@ -203,7 +293,7 @@ def _install(layer: torch.nn.Module, r: resident.ResidentWeight, device: torch.d
         plan = (p.rowptr, p.col, p.corr)
     for name, t in zip(("glyd_plan_rowptr", "glyd_plan_col", "glyd_plan_corr"), plan, strict=True):
         layer.register_buffer(name, t, persistent=False)
-    layer.glyd_shape, layer.glyd_base = r.shape, r.base
+    layer.glyd_base, layer.glyd_escapes = r.base, int(r.esc_pos.numel())
     layer.glyd_bytes = r.nbytes + sum(t.numel() * t.element_size() for t in plan)
 
 
@@ -303,6 +393,9 @@ class GlydEmbeddingMethod(QuantizeMethodBase):
             return self.plain.embedding(layer, input_)
         src = self._source(layer)
         rows, cols = src.glyd_shape
+        if src.glyd_layout == "fragment":
+            return fragment_embedding(input_, src.glyd_frag_data, src.glyd_frag_rowptr, src.glyd_frag_esc, src.glyd_lo,
+                                      rows, cols)
         return resident_embedding(input_, src.glyd_sm, src.glyd_offs, src.glyd_esc_pos, src.glyd_esc_bits,
                                   src.glyd_base, rows, cols)
 
@@ -364,8 +457,8 @@ def model_weight_bytes(model: torch.nn.Module) -> dict[str, int]:
     for m in model.modules():
         if hasattr(m, "glyd_shape"):
             held_bytes += int(m.glyd_bytes)
-            values += int(m.glyd_sm.numel())
-            escapes += int(m.glyd_esc_pos.numel())
+            values += int(m.glyd_values)
+            escapes += int(m.glyd_escapes)
     return {"glyd_weight_bytes": held_bytes, "glyd_weight_values": values, "glyd_weight_escapes": escapes,
             "bf16_weight_bytes": 2 * values}
 

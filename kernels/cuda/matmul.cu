@@ -41,6 +41,10 @@ typedef unsigned short u16;
 #ifndef NT
 #define NT 1  // 16-row tiles of W a warp streams side by side (they share x's registers)
 #endif
+#ifndef EW
+#define EW 1  // escape warps a block: 1 walks rows g and g + 8 of each tile, 2 split them
+#endif
+#define HR (2 / EW)
 #ifndef EB
 #define EB (MT == 1 ? 6 : 4)  // escape entries a row the escape warp loads at once
 #endif
@@ -49,6 +53,7 @@ typedef unsigned short u16;
 
 static_assert(MT == 1 || MT == 2, "1-8 or 9-16 rows of x");
 static_assert(STAGES >= 1 && STAGES <= 4, "1-4 chunks in registers");
+static_assert(EW == 1 || EW == 2, "one or two escape warps");
 
 __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 s) {
   u32 r;
@@ -87,13 +92,13 @@ __device__ __forceinline__ void decode_step(u32 lg, u32 lg8, u32 hw, u32 kb, u32
   a3 = prmt(lg8, hb, 0x7362);
 }
 
-extern "C" __global__ void __launch_bounds__((WARPS + 1) * 32, MIN_BLOCKS) glyd_mm(
+extern "C" __global__ void __launch_bounds__((WARPS + EW) * 32, MIN_BLOCKS) glyd_mm(
     u16* __restrict__ y, const uint4* __restrict__ w, const u16* __restrict__ x, const u16* __restrict__ bias,
     const int* __restrict__ rowptr, const u32* __restrict__ esc, int M, int N, int K, int ldx, int lo, int has_bias) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, warp = threadIdx.x >> 5;
   const int chunks = K >> 6;
   const int tile0 = blockIdx.x * NT;
-  __shared__ float red[WARPS + 1][NT * MT * 4][32];
+  __shared__ float red[WARPS + EW][NT * MT * 4][32];
   float acc[NT][MT][4];
 #pragma unroll
   for (int n = 0; n < NT; ++n)
@@ -149,27 +154,35 @@ extern "C" __global__ void __launch_bounds__((WARPS + 1) * 32, MIN_BLOCKS) glyd_
         }
       }
     }
-  } else {  // the escape warp: x (true - decoded) for every escape of the block's rows, in list order
+  } else {  // escape warps: x (true - decoded) for every escape of the block's rows, each row's list in order
+    const int h0 = EW == 1 ? 0 : (warp - WARPS) * HR;  // this warp's rows of each tile: g + 8 h for h in [h0, h0 + HR)
+    float cacc[NT][MT][HR][2];
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int hh = 0; hh < HR; ++hh) cacc[n][mt][hh][0] = cacc[n][mt][hh][1] = 0.f;
 #pragma unroll 1
     for (int n = 0; n < NT; ++n) {
-      int e[2], e1[2];
+      int e[HR], e1[HR];
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = 16 * (tile0 + n) + g + 8 * h;
-        e[h] = __ldg(rowptr + row);
-        e1[h] = __ldg(rowptr + row + 1);
+      for (int hh = 0; hh < HR; ++hh) {
+        const int row = 16 * (tile0 + n) + g + 8 * (h0 + hh);
+        e[hh] = __ldg(rowptr + row);
+        e1[hh] = __ldg(rowptr + row + 1);
       }
-      u32 en[2][EB];
+      u32 en[HR][EB];
 #pragma unroll
-      for (int h = 0; h < 2; ++h)
+      for (int hh = 0; hh < HR; ++hh)
 #pragma unroll
-        for (int q = 0; q < EB; ++q) en[h][q] = e[h] + q < e1[h] ? __ldg(esc + e[h] + q) : 0u;
+        for (int q = 0; q < EB; ++q) en[hh][q] = e[hh] + q < e1[hh] ? __ldg(esc + e[hh] + q) : 0u;
       // one batch of EB entries a row a round trip: its x values load with the next batch's entries
-      while (e[0] < e1[0] || e[1] < e1[1]) {
-        float xv[2][EB][MT][2];
-        u32 nx[2][EB];
+      while (e[0] < e1[0] || e[HR - 1] < e1[HR - 1]) {
+        float xv[HR][EB][MT][2];
+        u32 nx[HR][EB];
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
+        for (int hh = 0; hh < HR; ++hh)
 #pragma unroll
           for (int q = 0; q < EB; ++q) {
 #pragma unroll
@@ -177,28 +190,38 @@ extern "C" __global__ void __launch_bounds__((WARPS + 1) * 32, MIN_BLOCKS) glyd_
 #pragma unroll
               for (int r = 0; r < 2; ++r) {
                 const int m = 8 * mt + 2 * t + r;
-                xv[h][q][mt][r] = e[h] + q < e1[h] && m < M ? bf(__ldg(x + size_t(m) * ldx + (en[h][q] >> 16))) : 0.f;
+                xv[hh][q][mt][r] =
+                    e[hh] + q < e1[hh] && m < M ? bf(__ldg(x + size_t(m) * ldx + (en[hh][q] >> 16))) : 0.f;
               }
-            nx[h][q] = e[h] + EB + q < e1[h] ? __ldg(esc + e[h] + EB + q) : 0u;
+            nx[hh][q] = e[hh] + EB + q < e1[hh] ? __ldg(esc + e[hh] + EB + q) : 0u;
           }
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
+        for (int hh = 0; hh < HR; ++hh)
 #pragma unroll
           for (int q = 0; q < EB; ++q) {
-            const float tv = bf(en[h][q] & 0xFFFFu), dv = bf((en[h][q] & 0x807Fu) | (u32(lo) << 7));
-            if (e[h] + q < e1[h]) {
+            const float tv = bf(en[hh][q] & 0xFFFFu), dv = bf((en[hh][q] & 0x807Fu) | (u32(lo) << 7));
+            if (e[hh] + q < e1[hh]) {
 #pragma unroll
               for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                 for (int r = 0; r < 2; ++r)
-                  acc[n][mt][2 * h + r] = fmaf(tv, xv[h][q][mt][r], fmaf(-dv, xv[h][q][mt][r], acc[n][mt][2 * h + r]));
+                  cacc[n][mt][hh][r] = fmaf(tv, xv[hh][q][mt][r], fmaf(-dv, xv[hh][q][mt][r], cacc[n][mt][hh][r]));
             }
-            en[h][q] = nx[h][q];
+            en[hh][q] = nx[hh][q];
           }
-        e[0] += EB;
-        e[1] += EB;
+#pragma unroll
+        for (int hh = 0; hh < HR; ++hh) e[hh] += EB;
       }
     }
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int hh = 0; hh < HR; ++hh)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            if (h == h0 + hh) acc[n][mt][2 * h] = cacc[n][mt][hh][0], acc[n][mt][2 * h + 1] = cacc[n][mt][hh][1];
   }
 
   // the warps' sums, added in warp order: C[g + 8h][2t + r] of (tile n, x-row tile mt) is y[8 mt + 2t + r][16 tile + g + 8h]
@@ -209,14 +232,14 @@ extern "C" __global__ void __launch_bounds__((WARPS + 1) * 32, MIN_BLOCKS) glyd_
 #pragma unroll
       for (int i = 0; i < 4; ++i) red[warp][(n * MT + mt) * 4 + i][lane] = acc[n][mt][i];
   __syncthreads();
-  for (int idx = threadIdx.x; idx < NT * MT * 4 * 32; idx += (WARPS + 1) * 32) {
+  for (int idx = threadIdx.x; idx < NT * MT * 4 * 32; idx += (WARPS + EW) * 32) {
     const int i = idx >> 5, ln = idx & 31;
     const int n = i / (MT * 4), mt = (i / 4) % MT, q = i & 3;
     const int m = 8 * mt + 2 * (ln & 3) + (q & 1), row = 16 * (tile0 + n) + (ln >> 2) + 8 * (q >> 1);
     if (m >= M) continue;
     float v = 0.f;
 #pragma unroll
-    for (int wi = 0; wi <= WARPS; ++wi) v += red[wi][i][ln];
+    for (int wi = 0; wi < WARPS + EW; ++wi) v += red[wi][i][ln];
     y[size_t(m) * N + row] = to_bf16(v + (has_bias ? bf(bias[row]) : 0.f));
   }
 }

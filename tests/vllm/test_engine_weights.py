@@ -2,7 +2,8 @@
 
 The packed engine keeps every linear layer and the (tied) embedding in the resident code and decodes each
 weight for its matmul, so it is several times slower than bf16 on the CPU: workloads are the shared `off`
-engine's (a 7,000-token prompt's logprobs, greedy tokens), compared bit for bit.
+engine's (a 7,000-token prompt's logprobs, greedy tokens), compared bit for bit. A second engine holds the
+weights in the CUDA matmul's fragment layout (`GLYD_WEIGHT_LAYOUT=fragment`, its torch reference here).
 """
 
 from __future__ import annotations
@@ -26,6 +27,15 @@ def packed(packed_demo_dir: Path) -> dict[str, Any]:
                    "work": {"logprobs": [LONG], "greedy": GREEDY}})
 
 
+@pytest.fixture(scope="module")
+def fragment(packed_demo_dir: Path) -> dict[str, Any]:
+    """The same checkpoint held in the CUDA matmul's fragment layout, run here by the layout's torch reference."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("GLYD_WEIGHT_LAYOUT", "fragment")
+        return engine({"model": packed_demo_dir, "mode": "off", "quantization": "glyd", "max_model_len": MAX_LEN,
+                       "work": {"greedy": GREEDY}})
+
+
 def test_prompt_logprobs_equal_the_bf16_model(off: dict, packed: dict) -> None:
     assert len(packed["prompt_logprobs"][0]) == LONG - 1
     assert bits_equal(off, packed)
@@ -47,6 +57,14 @@ def test_weights_stay_compressed_in_memory(packed: dict, packed_demo_dir: Path) 
     assert 12.0 <= bits < 12.3, bits  # 8 sign/mantissa + 4 exponent-offset bits, plus 48 an escape (0.25%)
     share = w["glyd_weight_escapes"] / w["glyd_weight_values"]  # `glyd bench weights`' resident_escape_share
     assert 0 < share < 0.005, share
+
+
+def test_the_fragment_layout_gives_the_bf16_models_tokens(off: dict, fragment: dict) -> None:
+    assert fragment["greedy"] == off["greedy"]
+    w = fragment["weights"]
+    assert w["glyd_weight_values"] > 0
+    bits = 8 * w["glyd_weight_bytes"] / w["glyd_weight_values"]
+    assert 12.0 <= bits < 12.3, bits  # 12 bits a weight, plus 4 bytes an escape and a row index
 
 
 def test_glyd_checkpoint_is_detected_and_bf16_is_refused(demo_model_dir: Path, packed_demo_dir: Path) -> None:

@@ -320,3 +320,18 @@ def test_bench_kv_parser() -> None:
     add_kv_parser(parser.add_subparsers(dest="bench"))
     args = parser.parse_args(["kv", "--model", "/m", "--json", "--kv-bytes", "1000"])
     assert args.func is run_kv and args.model == "/m" and args.json and args.kv_bytes == 1000
+
+
+def test_weight_layout_by_setting_shape_and_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    from glyd_engine.errors import UnsupportedModelError
+    from glyd_engine.vllm_plugin.weights import weight_layout
+
+    cpu = torch.device("cpu")
+    monkeypatch.delenv(settings.ENV_WEIGHT_LAYOUT, raising=False)
+    assert weight_layout(cpu, (576, 576)) == "resident"  # auto: the fragment layout is for the CUDA matmul
+    monkeypatch.setenv(settings.ENV_WEIGHT_LAYOUT, "fragment")
+    assert weight_layout(cpu, (576, 576)) == "fragment"
+    assert weight_layout(cpu, (576, 100)) == "resident"  # a shape the layout cannot hold keeps the resident code
+    monkeypatch.setenv(settings.ENV_WEIGHT_LAYOUT, "tiles")
+    with pytest.raises(UnsupportedModelError, match="GLYD_WEIGHT_LAYOUT='tiles'.*auto, resident, fragment"):
+        weight_layout(cpu, (576, 576))
