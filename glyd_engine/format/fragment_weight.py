@@ -103,6 +103,14 @@ def from_resident(r: object) -> FragmentWeight:
     return from_bits(resident.decode(r).view(torch.int16))
 
 
+def _entries(f: FragmentWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The escape list as (row, column, bf16 bits), int64."""
+    rows = torch.repeat_interleave(torch.arange(f.shape[0], device=f.esc.device),
+                                   (f.rowptr[1:] - f.rowptr[:-1]).to(torch.int64))
+    entry = f.esc.to(torch.int64) & 0xFFFFFFFF
+    return rows, entry >> 16, entry & 0xFFFF
+
+
 def decode(f: FragmentWeight) -> torch.Tensor:
     """W in bf16 [N, K], bit for bit, by the kernel's arithmetic a byte at a time: an H word masked, and rotated by 4
     then masked, gives rows g and g + 8's high bytes; lo / 2 added to each; high and low bytes joined; escapes
@@ -117,10 +125,8 @@ def decode(f: FragmentWeight) -> torch.Tensor:
     bits = (high.reshape(nt, kc, 2, 32, 16).to(torch.int32) << 8) | d[:, :, :2].to(torch.int32)
     bits = bits.view(nt, kc, 2, 8, 4, 16).permute(0, 2, 3, 1, 4, 5).reshape(n, k)
     if f.esc.numel():
-        rows = torch.repeat_interleave(torch.arange(n, device=f.esc.device),
-                                       (f.rowptr[1:] - f.rowptr[:-1]).to(torch.int64))
-        entry = f.esc.to(torch.int64) & 0xFFFFFFFF
-        bits[rows, entry >> 16] = (entry & 0xFFFF).to(torch.int32)
+        rows, cols, true = _entries(f)
+        bits[rows, cols] = true.to(torch.int32)
     return torch.where(bits >= 1 << 15, bits - (1 << 16), bits).to(torch.int16).view(torch.bfloat16)
 
 
@@ -155,10 +161,7 @@ def matmul_reference(x: torch.Tensor, f: FragmentWeight) -> torch.Tensor:
     w = decode(FragmentWeight(f.shape, f.data, f.lo, torch.zeros_like(f.rowptr), f.esc[:0])).float()
     y = x.float() @ w.T
     if f.esc.numel():
-        rows = torch.repeat_interleave(torch.arange(n, device=f.esc.device),
-                                       (f.rowptr[1:] - f.rowptr[:-1]).to(torch.int64))
-        entry = f.esc.to(torch.int64) & 0xFFFFFFFF
-        cols, true = entry >> 16, entry & 0xFFFF
+        rows, cols, true = _entries(f)
         used = (true & 0x807F) | (f.lo << 7)
         delta = _f32(true) - _f32(used)
         y.index_add_(1, rows, x.float()[:, cols] * delta)
