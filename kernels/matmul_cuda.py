@@ -28,7 +28,7 @@ class Config:
     warps: int = 8  # streaming warps a block, each a share of K (one more adds the escapes)
     stages: int = 2  # chunks a warp holds in registers (one decoding, the rest loading)
     min_blocks: int = 2  # blocks a multiprocessor (the register budget)
-    escape_warps: int = 1  # warps a block that walk the escape lists (1 or 2)
+    escape_warps: int = 1  # warps a block that walk the escape lists (1, 2 or 4)
 
 
 def default_config(rows: int, n: int = 0, sms: int = 132) -> Config:

@@ -42,9 +42,10 @@ typedef unsigned short u16;
 #define NT 1  // 16-row tiles of W a warp streams side by side (they share x's registers)
 #endif
 #ifndef EW
-#define EW 1  // escape warps a block: 1 walks rows g and g + 8 of each tile, 2 split them
+#define EW 1  // escape warps a block: 1 walks rows g and g + 8 of each tile, 2 split them, 4 also split each list
 #endif
-#define HR (2 / EW)
+#define HR (EW == 1 ? 2 : 1)        // rows of each tile a lane of an escape warp walks
+#define PARTS (EW == 4 ? 2 : 1)     // escape warps sharing a row's list (entries part, part + PARTS, ...)
 #ifndef EB
 #define EB (MT == 1 ? 6 : 4)  // escape entries a row the escape warp loads at once
 #endif
@@ -53,7 +54,7 @@ typedef unsigned short u16;
 
 static_assert(MT == 1 || MT == 2, "1-8 or 9-16 rows of x");
 static_assert(STAGES >= 1 && STAGES <= 4, "1-4 chunks in registers");
-static_assert(EW == 1 || EW == 2, "one or two escape warps");
+static_assert(EW == 1 || EW == 2 || EW == 4, "one, two or four escape warps");
 
 __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 s) {
   u32 r;
@@ -155,7 +156,8 @@ extern "C" __global__ void __launch_bounds__((WARPS + EW) * 32, MIN_BLOCKS) glyd
       }
     }
   } else {  // escape warps: x (true - decoded) for every escape of the block's rows, each row's list in order
-    const int h0 = EW == 1 ? 0 : (warp - WARPS) * HR;  // this warp's rows of each tile: g + 8 h for h in [h0, h0 + HR)
+    const int h0 = EW == 1 ? 0 : (warp - WARPS) & 1;  // this warp's rows of each tile: g + 8 h for h in [h0, h0 + HR)
+    const int part = EW == 4 ? (warp - WARPS) >> 1 : 0;
     float cacc[NT][MT][HR][2];
 #pragma unroll
     for (int n = 0; n < NT; ++n)
@@ -169,14 +171,14 @@ extern "C" __global__ void __launch_bounds__((WARPS + EW) * 32, MIN_BLOCKS) glyd
 #pragma unroll
       for (int hh = 0; hh < HR; ++hh) {
         const int row = 16 * (tile0 + n) + g + 8 * (h0 + hh);
-        e[hh] = __ldg(rowptr + row);
+        e[hh] = __ldg(rowptr + row) + part;
         e1[hh] = __ldg(rowptr + row + 1);
       }
       u32 en[HR][EB];
 #pragma unroll
       for (int hh = 0; hh < HR; ++hh)
 #pragma unroll
-        for (int q = 0; q < EB; ++q) en[hh][q] = e[hh] + q < e1[hh] ? __ldg(esc + e[hh] + q) : 0u;
+        for (int q = 0; q < EB; ++q) en[hh][q] = e[hh] + PARTS * q < e1[hh] ? __ldg(esc + e[hh] + PARTS * q) : 0u;
       // one batch of EB entries a row a round trip: its x values load with the next batch's entries
       while (e[0] < e1[0] || e[HR - 1] < e1[HR - 1]) {
         float xv[HR][EB][MT][2];
@@ -191,16 +193,17 @@ extern "C" __global__ void __launch_bounds__((WARPS + EW) * 32, MIN_BLOCKS) glyd
               for (int r = 0; r < 2; ++r) {
                 const int m = 8 * mt + 2 * t + r;
                 xv[hh][q][mt][r] =
-                    e[hh] + q < e1[hh] && m < M ? bf(__ldg(x + size_t(m) * ldx + (en[hh][q] >> 16))) : 0.f;
+                    e[hh] + PARTS * q < e1[hh] && m < M ? bf(__ldg(x + size_t(m) * ldx + (en[hh][q] >> 16))) : 0.f;
               }
-            nx[hh][q] = e[hh] + EB + q < e1[hh] ? __ldg(esc + e[hh] + EB + q) : 0u;
+            const int ne = e[hh] + PARTS * (EB + q);
+            nx[hh][q] = ne < e1[hh] ? __ldg(esc + ne) : 0u;
           }
 #pragma unroll
         for (int hh = 0; hh < HR; ++hh)
 #pragma unroll
           for (int q = 0; q < EB; ++q) {
             const float tv = bf(en[hh][q] & 0xFFFFu), dv = bf((en[hh][q] & 0x807Fu) | (u32(lo) << 7));
-            if (e[hh] + q < e1[hh]) {
+            if (e[hh] + PARTS * q < e1[hh]) {
 #pragma unroll
               for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -210,7 +213,7 @@ extern "C" __global__ void __launch_bounds__((WARPS + EW) * 32, MIN_BLOCKS) glyd
             en[hh][q] = nx[hh][q];
           }
 #pragma unroll
-        for (int hh = 0; hh < HR; ++hh) e[hh] += EB;
+        for (int hh = 0; hh < HR; ++hh) e[hh] += PARTS * EB;
       }
     }
 #pragma unroll

@@ -57,7 +57,8 @@ def test_matmul_matches_float64(m: int, n: int, k: int):
     bias = (torch.randn(n, device=DEV, generator=g)).to(torch.bfloat16)
     for cfg in (None, mm.Config(tiles=1, warps=3, stages=4, min_blocks=2),
                 mm.Config(tiles=2, warps=15, stages=2, min_blocks=1),
-                mm.Config(tiles=1, warps=7, stages=3, min_blocks=1), mm.Config(tiles=1, warps=6, escape_warps=2)):
+                mm.Config(tiles=1, warps=7, stages=3, min_blocks=1), mm.Config(tiles=1, warps=6, escape_warps=2),
+                mm.Config(tiles=1, warps=5, escape_warps=4)):
         got = mm.matmul(x, f, bias if cfg is None else None, cfg)
         assert got.shape == (m, n) and got.dtype == torch.bfloat16
         _check(x, w, got, bias if cfg is None else None)
