@@ -1,7 +1,7 @@
 """Launchers of the CUDA Glyd matmul (kernels/cuda/matmul.cu) on fragment-order weights (format/fragment_weight.py).
 
 `matmul` runs y = x @ W.T (+ bias) for 1-16 rows of x in one launch: a block holds 16 or 32 rows of W, its warps
-stream a share of K each chunk by chunk through registers into the tensor cores, one more warp adds the escapes,
+stream a share of K each chunk by chunk through registers into the tensor cores, 1-4 more warps add the escapes,
 and the warps' sums meet in shared memory in a fixed order (the same bits on every run). `decode` writes W out in
 bf16 for prefill-sized matmuls (decode once, then the bf16 GEMM).
 """
@@ -25,21 +25,21 @@ MAX_ROWS = 16  # 1-8 rows take one 8-row MMA tile of x, 9-16 two; more rows deco
 @dataclass(frozen=True)
 class Config:
     tiles: int = 0  # 16-row tiles of W a block (1 or 2; 0: 1 for up to 8 rows of x, 2 above, where W's tiles pair up)
-    warps: int = 8  # streaming warps a block, each a share of K (one more adds the escapes)
+    warps: int = 8  # streaming warps a block, each a share of K
     stages: int = 2  # chunks a warp holds in registers (one decoding, the rest loading)
     min_blocks: int = 2  # blocks a multiprocessor (the register budget)
     escape_warps: int = 1  # warps a block that walk the escape lists (1, 2 or 4)
 
 
 def default_config(rows: int, n: int = 0, sms: int = 132) -> Config:
-    """The H200's best of bench/gpu_linear.py's sweep (docs/benchmarks.md) for W with n rows, two escape warps a
-    block: where W has at most two 16-row tiles a multiprocessor, more streaming warps a block (each a shorter share
-    of K); 9-16 rows of x take fewer (registers). Every default compiles without spills
-    (tests/kernels/test_kv_cuda_build.py)."""
+    """The H200's best of bench/gpu_linear.py's sweeps (docs/benchmarks.md) for W with n rows: where W has at most
+    two 16-row tiles a multiprocessor, more streaming warps a block (each a shorter share of K), and for 9-16 rows of
+    x four escape warps (their walk is the longer there); else 8 or 6 streaming warps and two escape warps. Every
+    default compiles without spills (tests/kernels/test_kv_cuda_build.py)."""
     few_tiles = n // TILE_ROWS <= 2 * sms
     if rows <= 8:
         return Config(tiles=1, warps=14 if few_tiles else 8, min_blocks=2, escape_warps=2)
-    return Config(tiles=1, warps=7, min_blocks=2, escape_warps=2) if few_tiles else \
+    return Config(tiles=1, warps=8, min_blocks=2, escape_warps=4) if few_tiles else \
         Config(tiles=1, warps=6, min_blocks=3, escape_warps=2)
 
 

@@ -18,8 +18,8 @@
 // low bytes into two bf16 pairs. That is 9 integer instructions for 8 values. Escaped values carry code 0 (exponent lo,
 // their own sign and mantissa); each row's list entry (column << 16 | the true bits) adds x (true - decoded).
 //
-// A block holds NT tiles of W (16 NT rows, the whole of K): its WARPS streaming warps take a share of K each, one more
-// warp walks the rows' escape lists (a chain of dependent loads that would stall a streaming warp), and the warps'
+// A block holds NT tiles of W (16 NT rows, the whole of K): its WARPS streaming warps take a share of K each, EW more
+// warps walk the rows' escape lists (chains of dependent loads that would stall a streaming warp), and the warps'
 // sums meet in shared memory, added in warp order: no partial sums leave the block, and a call gives the same bits on
 // every run.
 
@@ -30,7 +30,7 @@ typedef unsigned short u16;
 #define MT 1
 #endif
 #ifndef WARPS
-#define WARPS 8  // streaming warps a block; one more warp adds the escapes
+#define WARPS 8  // streaming warps a block (EW more walk the escapes)
 #endif
 #ifndef STAGES
 #define STAGES 3
