@@ -108,10 +108,14 @@ def test_decode_rows_is_the_rows_of_decode():
     assert fw.decode_rows(f, ids[:0]).shape == (0, 128)
 
 
-def test_from_resident_equals_from_bf16():
-    w = model_like(32, 192, seed=9)
-    a, b = fw.from_resident(resident.from_bf16(w)), fw.from_bits(w)
-    assert a.lo == b.lo and torch.equal(a.data, b.data) and torch.equal(a.esc, b.esc)
+def test_from_resident_equals_from_bf16(monkeypatch: pytest.MonkeyPatch):
+    w = model_like(80, 192, seed=9, outliers=0.01, zeros=0.01)
+    b = fw.from_bits(w)
+    for pass_values in (fw.PASS_VALUES, 32 * 192):  # one pass, and blocks of 32 rows (the last one 16)
+        monkeypatch.setattr(fw, "PASS_VALUES", pass_values)
+        a = fw.from_resident(resident.from_bf16(w))
+        assert a.lo == b.lo and torch.equal(a.data, b.data) and torch.equal(a.esc, b.esc)
+        assert torch.equal(a.rowptr, b.rowptr)
 
 
 @pytest.mark.parametrize(("shape", "reason"), [((15, 64), "multiple of 16"), ((16, 96), "columns of 64"),

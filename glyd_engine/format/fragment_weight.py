@@ -65,42 +65,72 @@ def choose_lo(exp_hist: torch.Tensor) -> int:
     return 2 * int((sums == best).nonzero().max())
 
 
-def from_bits(bits: torch.Tensor) -> FragmentWeight:
-    """bf16 bit patterns [N, K] (int16 or bfloat16) -> the fragment layout, on their device."""
-    shape = tuple(bits.shape)
-    reason = unsupported(shape)
-    if reason:
-        raise ValueError(reason)
-    n, k = shape
+def _exponents(bits: torch.Tensor) -> torch.Tensor:
+    return (bits.view(torch.int16).to(torch.int32) >> 7) & 0xFF
+
+
+def _encode(bits: torch.Tensor, lo: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A block of whole tiles (bf16 bits [16 t, K]) -> its data bytes, its escape entries and escapes a row."""
+    n, k = bits.shape
     u = bits.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
-    e = (u >> 7) & 0xFF
-    lo = choose_lo(torch.bincount(e.reshape(-1), minlength=256))
-    c = e - lo
+    c = ((u >> 7) & 0xFF) - lo
     inside = (c >= 1) & (c <= WINDOW)
     c = torch.where(inside, c, torch.zeros_like(c))
     low = (((c & 1) << 7) | (u & 0x7F)).to(torch.uint8)
     high = ((c >> 1) | ((u >> 8) & 0x80)).to(torch.uint8)  # sign << 7 | code >> 1
-    del e, c
+    del c
     nt, kc = n // TILE_ROWS, k // CHUNK_COLS
     # row = 16 tile + 8 h + g, column = 64 chunk + 16 t + 4 j + b; lane = 4 g + t
     planes = low.view(nt, 2, 8, kc, 4, 16).permute(0, 3, 1, 2, 4, 5).reshape(nt, kc, 2, 32, 16)
     hb = high.view(nt, 2, 8, kc, 4, 4, 4).permute(0, 3, 2, 4, 5, 6, 1)  # [tile, chunk, g, t, j, b, h]
     a, b = hb[..., 0], hb[..., 1]
     h_plane = a | ((b & 7) << 4) | (torch.roll(b >> 7, 1, dims=-1) << 3)  # byte b: b - 1's row g+8 sign at bit 3
-    data = torch.cat([planes, h_plane.reshape(nt, kc, 1, 32, 16)], dim=2).reshape(-1).contiguous()
+    data = torch.cat([planes, h_plane.reshape(nt, kc, 1, 32, 16)], dim=2).reshape(-1)
     rows, cols = (~inside).nonzero(as_tuple=True)
     entry = (cols.to(torch.int64) << 16) | u[rows, cols].to(torch.int64)
     esc = torch.where(entry >= 1 << 31, entry - (1 << 32), entry).to(torch.int32)
-    counts = torch.bincount(rows, minlength=n)
+    return data, esc, torch.bincount(rows, minlength=n)
+
+
+def _assemble(shape: tuple[int, int], lo: int, blocks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+              ) -> FragmentWeight:
+    counts = torch.cat([blk[2] for blk in blocks])
     rowptr = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
-    return FragmentWeight((n, k), data, lo, rowptr, esc)
+    return FragmentWeight(shape, torch.cat([blk[0] for blk in blocks]).contiguous(), lo, rowptr,
+                          torch.cat([blk[1] for blk in blocks]))
+
+
+def _check(shape: tuple[int, ...]) -> tuple[int, int]:
+    reason = unsupported(shape)
+    if reason:
+        raise ValueError(reason)
+    return shape[0], shape[1]
+
+
+def from_bits(bits: torch.Tensor) -> FragmentWeight:
+    """bf16 bit patterns [N, K] (int16 or bfloat16) -> the fragment layout, on their device."""
+    n, k = _check(tuple(bits.shape))
+    lo = choose_lo(torch.bincount(_exponents(bits).reshape(-1), minlength=256))
+    return _assemble((n, k), lo, [_encode(bits, lo)])
+
+
+PASS_VALUES = 1 << 24  # values re-coded at a time from a resident weight: bounds a load's transient memory
 
 
 def from_resident(r: object) -> FragmentWeight:
-    """A resident weight (format/resident.py) in the fragment layout, on its device."""
+    """A resident weight (format/resident.py) in the fragment layout, on its device, a block of rows at a time."""
     from glyd_engine.format import resident
 
-    return from_bits(resident.decode(r).view(torch.int16))
+    n, k = _check(tuple(r.shape))
+    step = max(TILE_ROWS, PASS_VALUES // k // TILE_ROWS * TILE_ROWS)
+    spans = [(r0, min(n, r0 + step)) for r0 in range(0, n, step)]
+
+    def rows(a: int, b: int) -> torch.Tensor:
+        return resident.decode_rows(r, torch.arange(a, b, device=r.sm.device)).view(torch.int16)
+
+    hist = sum(torch.bincount(_exponents(rows(a, b)).reshape(-1), minlength=256) for a, b in spans)
+    lo = choose_lo(hist)
+    return _assemble((n, k), lo, [_encode(rows(a, b), lo) for a, b in spans])
 
 
 def _entries(f: FragmentWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
