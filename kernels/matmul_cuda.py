@@ -98,6 +98,15 @@ def matmul(x: torch.Tensor, f: FragmentWeight, bias: torch.Tensor | None = None,
     return y
 
 
+def preload(n: int, device: torch.device) -> None:
+    """Compile and load the builds a weight of n rows runs (1-8 rows of x, 9-16, the decode) now, at load time:
+    a first load synchronizes the device, which a CUDA-graph capture must not see."""
+    sms = _multiprocessors(device.index or 0)
+    for rows in (1, MAX_ROWS):
+        kernels(rows, default_config(rows, n, sms), device, n)
+    kernels(1, Config(), device)
+
+
 def decode(f: FragmentWeight) -> torch.Tensor:
     """W in bf16 [N, K], bit for bit."""
     n, k = f.shape
@@ -110,4 +119,4 @@ def decode(f: FragmentWeight) -> torch.Tensor:
     return out
 
 
-__all__ = ["MAX_ROWS", "Config", "decode", "default_config", "matmul"]
+__all__ = ["MAX_ROWS", "Config", "decode", "default_config", "matmul", "preload"]

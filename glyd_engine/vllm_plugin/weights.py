@@ -278,6 +278,10 @@ def _install(layer: torch.nn.Module, r: resident.ResidentWeight, device: torch.d
     layer.glyd_shape, layer.glyd_values = r.shape, r.numel
     layer.glyd_layout = weight_layout(device, r.shape)
     if layer.glyd_layout == "fragment":
+        if device.type == "cuda":
+            from kernels import matmul_cuda
+
+            matmul_cuda.preload(r.shape[0], device)
         f = fw.from_resident(r)
         for name, t in zip(FRAGMENT_BUFFERS, (f.data, f.rowptr, f.esc), strict=True):
             layer.register_buffer(name, t, persistent=False)
