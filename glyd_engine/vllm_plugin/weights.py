@@ -456,15 +456,18 @@ def worker_weight_bytes(worker: Any) -> dict[str, int]:
 
 
 def model_weight_bytes(model: torch.nn.Module) -> dict[str, int]:
-    """Bytes of the weights Glyd holds resident, and what they would take in bf16 (for reports)."""
-    held_bytes = values = escapes = 0
+    """Bytes of the weights Glyd holds compressed, what they would take in bf16, and how many tensors it holds in
+    the fragment layout (for reports)."""
+    held_bytes = values = escapes = tensors = fragment = 0
     for m in model.modules():
         if hasattr(m, "glyd_shape"):
             held_bytes += int(m.glyd_bytes)
             values += int(m.glyd_values)
             escapes += int(m.glyd_escapes)
+            tensors += 1
+            fragment += m.glyd_layout == "fragment"
     return {"glyd_weight_bytes": held_bytes, "glyd_weight_values": values, "glyd_weight_escapes": escapes,
-            "bf16_weight_bytes": 2 * values}
+            "glyd_weight_tensors": tensors, "glyd_fragment_tensors": fragment, "bf16_weight_bytes": 2 * values}
 
 
 def refusals(vllm_config: Any) -> list[str]:

@@ -53,6 +53,7 @@ def test_weights_stay_compressed_in_memory(packed: dict, packed_demo_dir: Path) 
         headers.update(read_header(f))
     packed_values = sum(info["shape"][0] for name, info in headers.items() if name.endswith("_glyd_sm"))
     assert w["glyd_weight_values"] == packed_values  # every packed tensor is held resident, none as bf16
+    assert w["glyd_fragment_tensors"] == 0  # auto keeps the resident code on the CPU
     bits = 8 * w["glyd_weight_bytes"] / w["glyd_weight_values"]
     assert 12.0 <= bits < 12.3, bits  # 8 sign/mantissa + 4 exponent-offset bits, plus 48 an escape (0.25%)
     share = w["glyd_weight_escapes"] / w["glyd_weight_values"]  # `glyd bench weights`' resident_escape_share
@@ -63,6 +64,7 @@ def test_the_fragment_layout_gives_the_bf16_models_tokens(off: dict, fragment: d
     assert fragment["greedy"] == off["greedy"]
     w = fragment["weights"]
     assert w["glyd_weight_values"] > 0
+    assert w["glyd_fragment_tensors"] == w["glyd_weight_tensors"] > 0  # every demo weight has a shape it holds
     bits = 8 * w["glyd_weight_bytes"] / w["glyd_weight_values"]
     assert 12.0 <= bits < 12.3, bits  # 12 bits a weight, plus 4 bytes an escape and a row index
 
