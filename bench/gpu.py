@@ -154,9 +154,12 @@ class Code:
 
 
 def write_throughput(code: Code, src: Source, dev: str) -> dict[str, float]:
-    """A fresh 32k-token prefill run (with the host's overflow check, and the kernel alone), and one decode token for
-    each of 128 sequences (host sync included)."""
+    """A fresh 32k-token prefill run (the whole call, which waits for the device once to check the arena's room, and
+    the kernel alone), and one decode token for each of 128 sequences (the call, with no wait in the common case;
+    the kernel alone with a block a token, as the call launches it, and with a block for 16 tokens)."""
     import triton.testing as tt
+
+    from kernels import kv_overflow
 
     chunk, lay = 32768, code.lay
     k, v = src.draw(chunk)
@@ -164,22 +167,26 @@ def write_throughput(code: Code, src: Source, dev: str) -> dict[str, float]:
     wo = kp.OverflowStore(chunk // B, H, device=dev, initial_entries=1 << 22)
     slots = torch.arange(chunk, device=dev)
     kv_cuda.write(wc, lay, code.tops, wo, k, v, slots)  # runs allocated: the timed calls need no growth
+    runs = kv_overflow.device_runs(wo, D)
     ms = float(tt.do_bench(lambda: kv_cuda.write(wc, lay, code.tops, wo, k, v, slots), warmup=5, rep=50,
                            return_mode="median"))
-    need = torch.zeros(chunk, H, 2, dtype=torch.int32, device=dev)
+    need = runs.need_for(chunk)
 
-    def kernel_only() -> None:  # the writer without its host check, as a CUDA graph replays it
-        need.zero_()
-        kv_cuda.launch_write(wc, lay, code.tops, wo, k, v, slots, need)
+    def kernel_only(t: int = chunk, span: int | None = None) -> None:  # as a CUDA graph replays it
+        kv_cuda.launch_write(wc, lay, code.tops, wo, k[:t], v[:t], slots[:t] * (B if t < chunk else 1), need[:t],
+                             span=span)
 
     ms_kernel = bench_fn(kernel_only)
-    k1, v1 = src.draw(128)
+    k1, v1 = k[:128], v[:128]
     s1 = torch.arange(128, device=dev) * B  # token 0 of each tile: every call starts the tiles anew
+    checked = runs.checked
     ms1 = float(tt.do_bench(lambda: kv_cuda.write(wc, lay, code.tops, wo, k1, v1, s1), warmup=5, rep=50,
                             return_mode="median"))
     return {"prefill_32k_ms": ms, "prefill_32k_GBps_bf16_in": chunk * H * D * 4 / ms / 1e6,
             "prefill_32k_kernel_ms": ms_kernel, "prefill_32k_kernel_GBps_bf16_in": chunk * H * D * 4 / ms_kernel / 1e6,
-            "decode_128_tokens_ms_with_sync": ms1}
+            "decode_128_tokens_call_ms": ms1, "decode_128_checked_calls": runs.checked - checked,
+            "decode_128_kernel_ms": bench_fn(lambda: kernel_only(128)),
+            "decode_128_kernel_span16_ms": bench_fn(lambda: kernel_only(128, 16))}
 
 
 def read_back(code: Code, k_pool: torch.Tensor, v_pool: torch.Tensor, gen: torch.Generator) -> dict[str, int]:

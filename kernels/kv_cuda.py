@@ -12,8 +12,8 @@ import math
 
 import torch
 
-from glyd_engine.format.kv_page import TILE, KVPageLayout, OverflowStore
-from kernels import nvrtc
+from glyd_engine.format.kv_page import OVERFLOW_MIN_RUN, TILE, KVPageLayout, OverflowStore
+from kernels import kv_overflow, nvrtc
 
 SOURCE = "kv_pages.cu"
 WARPS = 4  # warps a decode block, each with its own share of the block's tiles
@@ -165,10 +165,14 @@ def _aligned(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+SPAN_TOKENS = 1024  # writes of at most this many tokens get a block a token (decode steps: a block a sequence)
+
+
 def write(cache: torch.Tensor, layout: KVPageLayout, tops: torch.Tensor, overflow: OverflowStore,
           key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> int:
     """Append the step's K/V [T, H, D] bf16 at `slots` (int64; -1 padding); a tile's tokens must be consecutive
-    and in order. Returns the rounds of overflow growth it took (0 almost always; each costs a host sync)."""
+    and in order. Runs without a host sync when the arena surely has room (kernels/kv_overflow.py); else waits
+    for the device once, and returns the rounds it had to run again for tiles that found no room (0 almost always)."""
     h = _check(cache, layout, tops)
     t = slots.shape[0]
     if t == 0:
@@ -176,35 +180,44 @@ def write(cache: torch.Tensor, layout: KVPageLayout, tops: torch.Tensor, overflo
     if key.shape[1:] != (h, layout.head_size) or key.dtype != torch.bfloat16 or key.stride(2) != 1:
         raise ValueError("key/value must be bf16 [T, H, D] with contiguous head dims")
     key, value = _aligned(key), _aligned(value)
-    sl = slots.to(torch.int64).contiguous()
-    need = torch.zeros(t, h, 2, dtype=torch.int32, device=cache.device)
+    sl = slots if slots.dtype == torch.int64 and slots.is_contiguous() else slots.to(torch.int64).contiguous()
+    runs = kv_overflow.device_runs(overflow, layout.head_size)
+    need = runs.need_for(t)
+    if runs.unchecked_ok(t):
+        launch_write(cache, layout, tops, overflow, key, value, sl, need)
+        runs.launched_unchecked(t)
+        return 0
+    runs.checked += 1
+    if not runs.unchecked_ok(min(t, kv_overflow.HEADROOM_TOKENS)):  # short of the arena's usual headroom
+        runs.wait()
+        runs.make_room(t)
+    launch_write(cache, layout, tops, overflow, key, value, sl, need)
     rounds = 0
-    only = False
     while True:
-        launch_write(cache, layout, tops, overflow, key, value, sl, need, only)
-        if not bool(need.any()):  # the overflow runs were long enough (one host sync)
+        _, missed = runs.wait(misses_expected=True)
+        if not missed:
             return rounds
         rounds += 1
-        ti, hi, kind = need.nonzero(as_tuple=True)
-        tiles = sl[ti] // TILE
-        for k in (0, 1):
-            sel = kind == k
-            if bool(sel.any()):
-                overflow.reserve_entries(tiles[sel], hi[sel], k, need[ti[sel], hi[sel], k].to(torch.int64))
-        only = True
+        wanted = need[need > 0].to(torch.int64)
+        runs.make_room(t, extra=int((2 * wanted + 8).sum()))  # each short run moves to a power of two >= its need
+        launch_write(cache, layout, tops, overflow, key, value, sl, need, only_needy=True)
 
 
 def launch_write(cache: torch.Tensor, layout: KVPageLayout, tops: torch.Tensor, overflow: OverflowStore,
                  key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor, need: torch.Tensor,
-                 only_needy: bool = False, variant: tuple[tuple[str, int], ...] = ()) -> None:
-    """One run of the page writer, no host sync: tiles whose overflow run was short are left uncounted and marked
-    in `need` [T, H, 2] (zeroed by the caller); `write` grows those runs and runs it again with `only_needy`."""
+                 only_needy: bool = False, variant: tuple[tuple[str, int], ...] = (), span: int | None = None) -> None:
+    """One run of the page writer, no host sync: it takes overflow runs on the device; tiles that found no room in
+    the arena are left uncounted, counted in the store's counters and marked in `need` [T, H, 2] (all zero on entry);
+    `write` grows the arena and runs it again with `only_needy`. `span` (tokens a block looks at, 1..16) is for
+    benchmarks."""
     ks, _, smem = kernels(layout, 1, cache.device, variant)
     t, h = slots.shape[0], cache.shape[1]
+    runs = kv_overflow.device_runs(overflow, layout.head_size)
     ptr, arena = _overflow_args(overflow, cache.device)
-    ks["kv_write"]((math.ceil(t / TILE), h), (128,), [
-        cache, key, value, slots, tops, ptr, arena, need, t, h, key.stride(0), key.stride(1), value.stride(0),
-        value.stride(1), int(only_needy)], smem=smem)
+    span = span or (1 if t <= SPAN_TOKENS else TILE)
+    ks["kv_write"]((math.ceil(t / span), h), (128,), [
+        cache, key, value, slots, tops, ptr, arena, runs.counters, overflow.arena.numel() // OVERFLOW_MIN_RUN, need,
+        t, h, key.stride(0), key.stride(1), value.stride(0), value.stride(1), int(only_needy), span], smem=smem)
 
 
 __all__ = ["decode_attention", "launch_write", "num_splits_for", "read_tiles", "write"]

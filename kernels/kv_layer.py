@@ -29,7 +29,7 @@ class KVLayer:
         self.tops = tops.to(pages.device).contiguous()
         self.overflow = OverflowStore(pages.shape[0] * layout.tiles, pages.shape[1], device=pages.device)
         self.codec = KVPageCodec(layout, tops.cpu()) if impl == "torch" else None
-        self.growth_rounds = 0  # writes that had to grow an overflow run (a host sync each)
+        self.growth_rounds = 0  # writes run again for tiles that found no room in the overflow arena
 
     def write(self, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
         """Append the step's K/V [T, H, D] at `slots` (-1: padding); a tile's tokens consecutive and in order."""

@@ -285,6 +285,7 @@ class OverflowStore:
     free: dict[int, list[int]] = field(init=False)
     grows: int = 0
     values_written: int = 0
+    device_runs: object = field(default=None, init=False, repr=False, compare=False)  # the CUDA writer's allocation
 
     def __post_init__(self) -> None:
         self.ptr = torch.full((self.num_tiles, self.num_heads, 2), -1, dtype=torch.int32, device=self.device)
@@ -343,6 +344,27 @@ class OverflowStore:
                 self.free.setdefault(c, []).append(off)
             self.ptr[t, h, kv] = (new // OVERFLOW_MIN_RUN) << 4 | (size // OVERFLOW_MIN_RUN).bit_length() - 1
         return self.unpack(self.ptr[tiles, heads, kv])[0]
+
+    def compact(self, capacity: int) -> int:
+        """Move the live runs to the front of a new arena of at least `capacity` entries, in pointer order, and
+        rewrite their pointers; returns the entries they take (the new top). Space of moved or given-back runs
+        (the CUDA writer leaves a grown run's old space behind) is reclaimed here."""
+        offset, cap = self.unpack(self.ptr)
+        live = (offset >= 0).view(-1)
+        offs, caps = offset.view(-1)[live], cap.view(-1)[live]
+        starts = torch.cumsum(caps, 0) - caps
+        top = int(caps.sum())
+        size = -(-max(capacity, top) // OVERFLOW_MIN_RUN) * OVERFLOW_MIN_RUN
+        arena = torch.zeros(size, dtype=torch.int16, device=self.arena.device)
+        if top:
+            run = torch.repeat_interleave(torch.arange(caps.numel(), device=caps.device), caps)
+            within = torch.arange(top, device=caps.device) - starts[run]
+            arena[:top] = self.arena[offs[run] + within]
+            flat = self.ptr.view(-1)
+            flat[live] = ((starts // OVERFLOW_MIN_RUN) << 4 | (flat[live] & 15).to(torch.int64)).to(torch.int32)
+        self.arena, self.free, self._top = arena, {}, top
+        self.grows += 1
+        return top
 
     def _take(self, size: int) -> int:
         runs = self.free.get(size)

@@ -3,7 +3,8 @@
 The pages are the CPU backend's (same spec, same bytes; `backend_base`). Write: `do_kv_cache_update` runs the CUDA
 page writer. Read: `forward` runs decode attention on compressed pages for the batch's single decode tokens (the
 builder has vLLM put them first) and, for prefill runs and chunks, decodes their tiles to bf16 for SDPA
-(`kernels.kv_layer.KVLayer`). The writer checks after each step whether an overflow run must grow (a host sync), so
+(`kernels.kv_layer.KVLayer`). The writer takes overflow runs on the device and needs no host sync in a decode step,
+but the host keeps the bound that lets it run unchecked (kernels/kv_overflow.py), which a graph replay would skip, so
 the builder declares no CUDA-graph support: vLLM then runs attention eagerly between its piecewise graphs.
 `GLYD_KV_KERNELS=reference` selects this backend on the CPU build with the torch reference of the kernels, which is
 how the tests run its wiring inside the real engine.

@@ -831,10 +831,13 @@ extern "C" __global__ void __launch_bounds__(32) kv_read_tiles(
 // ================================================================================================================
 // Page writer: appends the step's K/V [T, H, D] at `slots` (block * 16 * TPP + offset; -1 padding). A tile's tokens
 // must be consecutive in the call and in position order (vLLM's slot mapping is); K/V rows 16-byte aligned. Grid
-// (ceil(T / 16), KV heads), 128 threads: block b writes the tile runs whose first token is one of tokens 16b..16b+15.
-// Entries past the list go to the tile's overflow run; if it is missing or short, the block writes the tile's bytes
-// but not its counts and records the entries it needs in `need[token, head, kind]`, so the caller can grow the run
-// and run the writer again with `only_needy` set.
+// (ceil(T / span), KV heads), 128 threads: block b writes the tile runs whose first token is one of its `span` tokens
+// span b..span b + span - 1 (span 1 for decode steps, a block a sequence; 16 for long runs, fewer idle blocks).
+// Entries past the list go to the tile's overflow run. A missing or short run is replaced here by one of the next
+// power of two entries, taken from the arena with one atomic add on its top (`alloc[0]`, in 8-entry units; the old
+// run's entries are copied over, its space left to the host's next compaction). When the arena has no room, the
+// block writes the tile's bytes but not its counts, counts the miss in `alloc[1]` and records the entries it needs in
+// `need[token, head, kind]`, so the caller can grow the arena and run the writer again with `only_needy` set.
 // ================================================================================================================
 #define WTHREADS 128
 struct WSmem {
@@ -845,6 +848,7 @@ struct WSmem {
   int cnt[2][16];                    // escapes a (kind, token)
   int item_base[32], kind_base[32];  // prefix over (token, kind) items: all entries, entries of that kind
   int in_page[2];
+  int run_ptr[2], copy_from[2], copy_n[2];  // each kind's overflow run after this write, and entries to move
   u32 leaders;                       // the block's tokens that start a tile run
 };
 
@@ -882,9 +886,10 @@ __device__ __forceinline__ void hi_bits(int kind, int t, int d, int s, int c, in
 
 __device__ void write_run(WSmem& sm, u8* __restrict__ cache, const u16* __restrict__ key,
                           const u16* __restrict__ value, const long long* __restrict__ slots,
-                          const u8* __restrict__ tops, const int* __restrict__ ovf_ptr, u16* __restrict__ arena,
-                          int* __restrict__ need, int i0, int h, int num_tokens, int num_kv_heads, int k_stride0,
-                          int k_stride1, int v_stride0, int v_stride1, int only_needy) {
+                          const u8* __restrict__ tops, int* __restrict__ ovf_ptr, u16* __restrict__ arena,
+                          int* __restrict__ alloc, int arena_units, int* __restrict__ need, int i0, int h,
+                          int num_tokens, int num_kv_heads, int k_stride0, int k_stride1, int v_stride0, int v_stride1,
+                          int only_needy) {
   const int tid = threadIdx.x;
   const long s0 = slots[i0];
   const long gtile = s0 / 16;
@@ -995,6 +1000,35 @@ __device__ void write_run(WSmem& sm, u8* __restrict__ cache, const u16* __restri
     }
   }
   __syncthreads();
+  if (tid == 0) {  // each kind's run must hold its old overflow entries and the ones this write adds
+    for (int kind = 0; kind < 2; ++kind) {
+      int add = 0;
+      for (int t = t0; t < t0 + n; ++t) add += sm.cnt[kind][t];
+      const int held = ntot[kind] - nin[kind], past = held + add - sm.in_page[kind];
+      int* pp = ovf_ptr + (gtile * num_kv_heads + h) * 2 + kind;
+      int p = *pp;
+      sm.copy_n[kind] = 0;
+      if (past > (p >= 0 ? 8 << (p & 15) : 0)) {
+        int lg = 0;
+        while ((8 << lg) < past) ++lg;
+        const int off = atomicAdd(&alloc[0], 1 << lg);
+        if (off <= arena_units - (1 << lg)) {
+          if (p >= 0 && held > 0) sm.copy_from[kind] = p >> 4, sm.copy_n[kind] = held;
+          p = (off << 4) | lg;
+          *pp = p;
+        } else {
+          atomicAdd(&alloc[1], 1);  // no room: the entries past the old run are recorded in `need` below
+        }
+      }
+      sm.run_ptr[kind] = p;
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int kind = 0; kind < 2; ++kind) {  // a moved run's entries (the new ones go past them)
+    const long from = (long)sm.copy_from[kind] * 8, to = (long)(sm.run_ptr[kind] >> 4) * 8;
+    for (int i = tid; i < sm.copy_n[kind]; i += WTHREADS) arena[to + i] = arena[from + i];
+  }
   bool short_run = false;
   {
     const int warp = tid >> 5, lane = tid & 31;
@@ -1015,7 +1049,7 @@ __device__ void write_run(WSmem& sm, u8* __restrict__ cache, const u16* __restri
             *reinterpret_cast<u16*>(tp + LIST + 2 * slot) = e;
           } else {
             const int oidx = ntot[kind] + rank_kind - (nin[kind] + sm.in_page[kind]);
-            const int p = ovf_ptr[(gtile * num_kv_heads + h) * 2 + kind];
+            const int p = sm.run_ptr[kind];
             const int cap = p >= 0 ? 8 << (p & 15) : 0;
             if (oidx < cap) arena[(long)(p >> 4) * 8 + oidx] = e;
             else { short_run = true; atomicMax(&need[((long)i0 * num_kv_heads + h) * 2 + kind], oidx + 1); }
@@ -1045,16 +1079,16 @@ __device__ void write_run(WSmem& sm, u8* __restrict__ cache, const u16* __restri
 
 extern "C" __global__ void __launch_bounds__(WTHREADS, WMIN_BLOCKS) kv_write(
     u8* __restrict__ cache, const u16* __restrict__ key, const u16* __restrict__ value,
-    const long long* __restrict__ slots, const u8* __restrict__ tops, const int* __restrict__ ovf_ptr,
-    u16* __restrict__ arena, int* __restrict__ need, int num_tokens, int num_kv_heads, int k_stride0, int k_stride1,
-    int v_stride0, int v_stride1, int only_needy) {
+    const long long* __restrict__ slots, const u8* __restrict__ tops, int* __restrict__ ovf_ptr,
+    u16* __restrict__ arena, int* __restrict__ alloc, int arena_units, int* __restrict__ need, int num_tokens,
+    int num_kv_heads, int k_stride0, int k_stride1, int v_stride0, int v_stride1, int only_needy, int span) {
   extern __shared__ __align__(16) u8 wsmem_raw[];
   WSmem& sm = *reinterpret_cast<WSmem*>(wsmem_raw);
-  const int h = blockIdx.y, first = 16 * blockIdx.x;
-  if (threadIdx.x < 32) {  // which of the block's 16 tokens start a tile run
+  const int h = blockIdx.y, first = span * blockIdx.x;
+  if (threadIdx.x < 32) {  // which of the block's `span` (1..16) tokens start a tile run
     const int i = first + threadIdx.x;
     bool lead = false;
-    if (threadIdx.x < 16 && i < num_tokens) {
+    if (threadIdx.x < span && i < num_tokens) {
       const long si = slots[i];
       lead = si >= 0 && (i == 0 || slots[i - 1] < 0 || slots[i - 1] / 16 != si / 16);
     }
@@ -1066,8 +1100,8 @@ extern "C" __global__ void __launch_bounds__(WTHREADS, WMIN_BLOCKS) kv_write(
   while (leaders) {
     const int j = __ffs(leaders) - 1;
     leaders &= leaders - 1;
-    write_run(sm, cache, key, value, slots, tops, ovf_ptr, arena, need, first + j, h, num_tokens, num_kv_heads,
-              k_stride0, k_stride1, v_stride0, v_stride1, only_needy);
+    write_run(sm, cache, key, value, slots, tops, ovf_ptr, arena, alloc, arena_units, need, first + j, h, num_tokens,
+              num_kv_heads, k_stride0, k_stride1, v_stride0, v_stride1, only_needy);
   }
 }
 

@@ -204,3 +204,86 @@ def test_decode_attention_where_escapes_carry_the_output(code_bits: int, reserve
         again = kv_cuda.decode_attention(q.to(DEV), cache, lay, tops_gpu, table.to(DEV), seq_lens, max(lens),
                                          d ** -0.5, ovf, num_splits=splits)
         assert torch.equal(again.view(torch.int16), out.view(torch.int16))
+
+
+def decode_steps(seqs: int, steps: int, block: int, blocks: torch.Tensor) -> list[torch.Tensor]:
+    """Each step's slots: a token for each sequence, the sequences' blocks taken in turn from `blocks`."""
+    per_seq = math.ceil(steps / block)
+    return [blocks[torch.arange(seqs) * per_seq + s // block] * block + s % block for s in range(steps)]
+
+
+def test_decode_steps_with_few_escapes_never_wait_for_the_device() -> None:
+    """Model-like values: after the first write sizes the arena, no decode step's write waits for the device."""
+    from kernels import kv_cuda, kv_overflow
+
+    d, h, block, seqs, steps = 128, 8, 16, 64, 48
+    g = torch.Generator().manual_seed(3)
+    k0, v0 = model_like(256, h, d, g)
+    tops = tops_for(k0, v0, 3).to(DEV)
+    lay = kp.KVPageLayout(d, block, 4, 3)  # a short list: some tiles overflow
+    nb = seqs * math.ceil(steps / block)
+    cache = torch.zeros(nb, h, lay.page_bytes, dtype=torch.uint8, device=DEV)
+    ovf = kp.OverflowStore(nb * lay.tiles, h, device=DEV)
+    ks, vs, slots = [], [], decode_steps(seqs, steps, block, torch.randperm(nb, generator=g))
+    for sl in slots:
+        k, v = model_like(seqs, h, d, g)
+        kv_cuda.write(cache, lay, tops, ovf, k.to(DEV), v.to(DEV), sl.to(DEV))
+        ks.append(k), vs.append(v)
+    runs = kv_overflow.device_runs(ovf, d)
+    assert runs.checked == 1 and ovf.runs_in_use > 0
+    check_tokens(cache, lay, tops, ovf, torch.cat(slots), torch.cat(ks), torch.cat(vs))
+
+
+def check_tokens(cache, lay, tops, ovf, slots, k, v) -> None:
+    """Every token at `slots` reads back as k, v [N, H, D], bit for bit."""
+    from kernels import kv_cuda
+
+    tiles = torch.unique(slots // kp.TILE)
+    rk, rv = kv_cuda.read_tiles(cache, lay, tops, tiles.to(DEV), ovf)
+    pos = torch.searchsorted(tiles, slots // kp.TILE)
+    assert torch.equal(rk.cpu()[pos, :, slots % kp.TILE].view(torch.int16), k.view(torch.int16))
+    assert torch.equal(rv.cpu()[pos, :, slots % kp.TILE].view(torch.int16), v.view(torch.int16))
+
+
+@pytest.mark.parametrize("code_bits", [3, 4])
+def test_overflow_runs_taken_on_the_device_lose_nothing(code_bits: int) -> None:
+    """Decode steps (a token for each of 24 sequences) of values that mostly miss their windows, into an arena with
+    no room at first: runs are taken and doubled on the device, the arena is compacted and grown as the host's bound
+    requires, and a long prefill that finds no room runs again for those tiles. The bound stays above the device's
+    top after every write; pages equal the reference writer's; every value reads back bit for bit."""
+    from kernels import kv_cuda, kv_overflow
+
+    d, h, block, reserve = 64, 2, 16, 4
+    g = torch.Generator().manual_seed(5 + code_bits)
+    lay = kp.KVPageLayout(d, block, reserve, code_bits)
+    codec = kp.KVPageCodec(lay, torch.randint(110, 140, (2, h, d), generator=g).to(torch.uint8))
+    seqs, steps, prefill = 24, 40, 4096
+    nb = seqs * math.ceil(steps / block) + prefill // block
+    cache_cpu = torch.zeros(nb, h, lay.page_bytes, dtype=torch.uint8)
+    cache_gpu = cache_cpu.to(DEV)
+    ovf_cpu, ovf_gpu = codec.new_overflow(nb), kp.OverflowStore(nb * lay.tiles, h, device=DEV)
+    tops_gpu = codec.tops.to(DEV)
+    wild = lambda n: (torch.randn(n, h, d, generator=g) * torch.exp2(torch.randint(-40, 40, (n, h, d), generator=g)  # noqa: E731
+                                                                     .float())).to(torch.bfloat16)
+    blocks = torch.randperm(nb, generator=g)
+    all_slots = decode_steps(seqs, steps, block, blocks)
+    ks, vs = [], []
+    for sl in all_slots:
+        k, v = wild(seqs), wild(seqs)
+        codec.write(cache_cpu, ovf_cpu, k, v, sl)
+        kv_cuda.write(cache_gpu, lay, tops_gpu, ovf_gpu, k.to(DEV), v.to(DEV), sl.to(DEV))
+        runs = kv_overflow.device_runs(ovf_gpu, d)
+        top = int(runs.counters[0]) * kp.OVERFLOW_MIN_RUN
+        assert top <= runs.bound <= runs.capacity, (top, runs.bound, runs.capacity)
+        ks.append(k), vs.append(v)
+    assert runs.checked < steps // 2, runs.checked  # most decode steps ran unchecked
+    pb = blocks[seqs * math.ceil(steps / block) :]
+    t = torch.arange(prefill)
+    sl = pb[t // block] * block + t % block
+    k, v = wild(prefill), wild(prefill)
+    codec.write(cache_cpu, ovf_cpu, k, v, sl)
+    assert kv_cuda.write(cache_gpu, lay, tops_gpu, ovf_gpu, k.to(DEV), v.to(DEV), sl.to(DEV)) >= 1  # ran again
+    all_slots.append(sl), ks.append(k), vs.append(v)
+    assert ovf_gpu.grows >= 2 and int(runs.counters[1]) == 0
+    assert torch.equal(cache_gpu.cpu(), cache_cpu)
+    check_tokens(cache_gpu, lay, tops_gpu, ovf_gpu, torch.cat(all_slots), torch.cat(ks), torch.cat(vs))
