@@ -18,7 +18,7 @@ from glyd_engine.format.fragment_weight import CHUNK_COLS, TILE_ROWS, FragmentWe
 from kernels import nvrtc
 
 SOURCE = "matmul.cu"
-KERNELS = ("glyd_mm", "glyd_mm_decode", "glyd_mm_patch")
+KERNELS = ("glyd_mm", "glyd_mm_decode", "glyd_mm_patch", "glyd_mm_gather")
 MAX_ROWS = 16  # 1-8 rows take one 8-row MMA tile of x, 9-16 two; more rows decode once and use the bf16 GEMM
 
 
@@ -119,4 +119,17 @@ def decode(f: FragmentWeight) -> torch.Tensor:
     return out
 
 
-__all__ = ["MAX_ROWS", "Config", "decode", "default_config", "matmul", "preload"]
+def gather_rows(f: FragmentWeight, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of W, bf16 [ids.numel(), K], bit for bit, decoding only those rows (an embedding lookup); ids
+    outside [0, N) give zero rows."""
+    n, k = f.shape
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    out = torch.empty(flat.numel(), k, dtype=torch.bfloat16, device=f.data.device)
+    if flat.numel():
+        ks = kernels(1, Config(), f.data.device)
+        esc = f.esc if f.esc.numel() else f.rowptr  # never read: every row's list is empty
+        ks["glyd_mm_gather"]((flat.numel(),), (128,), [out, f.data, flat, f.rowptr, esc, n, k, f.lo])
+    return out
+
+
+__all__ = ["MAX_ROWS", "Config", "decode", "default_config", "gather_rows", "matmul", "preload"]

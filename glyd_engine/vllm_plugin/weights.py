@@ -139,13 +139,13 @@ def _(x: torch.Tensor, data: torch.Tensor, rowptr: torch.Tensor, esc: torch.Tens
 @torch.library.custom_op("glyd::fragment_embedding", mutates_args=())
 def fragment_embedding(ids: torch.Tensor, data: torch.Tensor, rowptr: torch.Tensor, esc: torch.Tensor, lo: int,
                        rows: int, cols: int) -> torch.Tensor:
-    """Embedding rows [*ids.shape, cols] of a fragment-layout weight. CUDA: decode all, then gather (no host sync,
-    CUDA-graph safe). CPU: only the 16-row tiles the ids fall in."""
+    """Embedding rows [*ids.shape, cols] of a fragment-layout weight. CUDA: a kernel that decodes only the looked-up
+    rows (no host sync, CUDA-graph safe). CPU: only the 16-row tiles the ids fall in."""
     f = fw.FragmentWeight((rows, cols), data, lo, rowptr, esc)
     if ids.is_cuda:
         from kernels import matmul_cuda as kernel
 
-        return torch.nn.functional.embedding(ids, kernel.decode(f))
+        return kernel.gather_rows(f, ids).reshape(*ids.shape, cols)
     return fw.decode_rows(f, ids).reshape(*ids.shape, cols)
 
 

@@ -279,3 +279,40 @@ extern "C" __global__ void __launch_bounds__(128) glyd_mm_patch(u16* __restrict_
     out[size_t(row) * K + (en >> 16)] = u16(en & 0xFFFFu);
   }
 }
+
+// Rows ids[m] of W in bf16 [M, K], escapes patched (an embedding lookup: no whole-table decode, no host sync). A block
+// a row: each thread decodes a (chunk, lane t) share of its tile (the three 16-byte loads of lane 4 g + t hold rows g
+// and g + 8 of 16 columns), keeps the row's half, then the block writes the row's escapes. Ids outside [0, N) give
+// zero rows.
+extern "C" __global__ void __launch_bounds__(128) glyd_mm_gather(u16* __restrict__ out, const uint4* __restrict__ w,
+                                                                 const long long* __restrict__ ids,
+                                                                 const int* __restrict__ rowptr,
+                                                                 const u32* __restrict__ esc, int N, int K, int lo) {
+  const long long id = ids[blockIdx.x];
+  u16* o = out + size_t(blockIdx.x) * K;
+  const int chunks = K >> 6;
+  if (id < 0 || id >= N) {
+    for (int i = threadIdx.x; i < K / 8; i += blockDim.x) reinterpret_cast<uint4*>(o)[i] = make_uint4(0, 0, 0, 0);
+    return;
+  }
+  const int tile = int(id >> 4), g = int(id & 7), upper = int((id >> 3) & 1);
+  const u32 kb = u32(lo >> 1) * 0x01010101u;
+  for (int i = threadIdx.x; i < 4 * chunks; i += blockDim.x) {
+    const int c = i >> 2, t = i & 3;
+    const uint4* p = w + (size_t(tile) * chunks + c) * CHUNK_U4 + 4 * g + t;
+    const uint4 l0 = ld_stream(p), l1 = ld_stream(p + 32), hw = ld_stream(p + 64);
+    u32 r0[8], r1[8];
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      decode_step(word(l0, j), word(l1, j), word(hw, j), kb, r0[2 * j], r1[2 * j], r0[2 * j + 1], r1[2 * j + 1]);
+    uint4* dst = reinterpret_cast<uint4*>(o + 64 * c + 16 * t);
+    const u32* r = upper ? r1 : r0;
+    dst[0] = make_uint4(r[0], r[1], r[2], r[3]);
+    dst[1] = make_uint4(r[4], r[5], r[6], r[7]);
+  }
+  __syncthreads();
+  for (int e = rowptr[id] + threadIdx.x; e < rowptr[id + 1]; e += blockDim.x) {
+    const u32 en = esc[e];
+    o[en >> 16] = u16(en & 0xFFFFu);
+  }
+}

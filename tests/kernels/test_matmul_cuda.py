@@ -37,6 +37,23 @@ def test_decode_kernel_is_bit_exact_on_model_weights(n: int, k: int):
     assert torch.equal(_mm().decode(f).view(torch.int16), w.view(torch.int16))
 
 
+def test_row_gather_is_bit_exact_and_decodes_only_its_rows():
+    """Embedding lookups: any rows, repeated and in any order, every pattern and escapes included; ids past the
+    table give zero rows."""
+    x = all_patterns().reshape(64, 1024)
+    w = torch.cat([x, model_like(192, 1024, seed=3)]).to(DEV)
+    f = fw.from_bits(w)
+    ids = torch.tensor([[0, 63, 64, 255], [17, 17, 8, 200]], device=DEV)
+    got = _mm().gather_rows(f, ids)
+    assert got.shape == (8, 1024)
+    assert torch.equal(got.view(torch.int16), w[ids.reshape(-1)].view(torch.int16))
+    every = _mm().gather_rows(f, torch.arange(w.shape[0] - 1, -1, -1, device=DEV))
+    assert torch.equal(every.view(torch.int16), w.flip(0).view(torch.int16))
+    outside = _mm().gather_rows(f, torch.tensor([-1, 256], device=DEV))
+    assert torch.equal(outside.view(torch.int16), torch.zeros(2, 1024, dtype=torch.int16, device=DEV))
+    assert _mm().gather_rows(f, ids[:, :0]).shape == (0, 1024)
+
+
 def _check(x: torch.Tensor, w: torch.Tensor, got: torch.Tensor, bias: torch.Tensor | None) -> None:
     ref = x.double() @ w.double().T + (0 if bias is None else bias.double())
     finite = torch.isfinite(ref)
