@@ -40,6 +40,7 @@ CUDA_SWEEP = {  # (tiles, warps, stages, min_blocks, escape warps): for 1-8 rows
     2: [(1, 7, 2, 2, 2), (1, 6, 2, 3, 2), (1, 7, 2, 2, 4), (1, 4, 2, 3, 4), (1, 8, 2, 2, 4), (1, 5, 2, 3, 2),
         (1, 7, 2, 3, 1), (2, 7, 2, 2, 1)]}
 ROTATE_BYTES = 320 << 20  # more than twice the H200's L2
+EMBEDDING = (151936, 4096)  # Qwen3-8B's vocabulary x hidden size
 LOG: dict[str, object] = {}
 
 
@@ -106,6 +107,25 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return float(((y.float() - ref).abs() / (ref.abs() + 1.0)).max())
 
 
+def embedding_lookup(dev: str, gen: torch.Generator, out: Path | None) -> None:
+    """Lookups in a Qwen3-8B-shaped embedding table (151,936 x 4,096): the row gather against decoding the whole table
+    then gathering, and against a bf16 table; rows checked bit for bit."""
+    n, k = EMBEDDING
+    w = weight(n, k, dev, gen)
+    f = fw.from_bits(w)
+    checks: dict[str, object] = {}
+    for m in (1, 128):
+        ids = torch.randint(0, n, (m,), device=dev, generator=gen)
+        checks[f"gather_m{m}_bit_exact"] = bool(torch.equal(mc.gather_rows(f, ids).view(torch.int16),
+                                                            w[ids].view(torch.int16)))
+        checks[f"gather_m{m}_ms"] = round(timed([lambda ids=ids: mc.gather_rows(f, ids)], True), 5)
+        checks[f"bf16_m{m}_ms"] = round(timed([lambda ids=ids: torch.nn.functional.embedding(ids, w)], True), 5)
+    checks["decode_all_then_gather_m128_ms"] = round(timed(
+        [lambda: torch.nn.functional.embedding(ids, mc.decode(f))], True), 5)
+    log(out, "checks_embedding", checks)
+    print(f"embedding {n} x {k}: {checks}", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path)
@@ -113,6 +133,7 @@ def main() -> int:
     ap.add_argument("--shapes", default=",".join(SHAPES), help="shapes to run (default: %(default)s)")
     ap.add_argument("--cuda-sweep", action="store_true", help="also time other builds of the CUDA kernel")
     ap.add_argument("--no-triton", action="store_true", help="skip the Triton kernel")
+    ap.add_argument("--no-embedding", action="store_true", help="skip the embedding lookups")
     args = ap.parse_args()
     dev = "cuda"
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -200,6 +221,8 @@ def main() -> int:
         log(args.out, "table", table)
         del ws, rs, fs
         torch.cuda.empty_cache()
+    if not args.no_embedding:
+        embedding_lookup(dev, gen, args.out)
     ok = all(v for key, c in LOG.items() if key.startswith("checks_") for kk, v in c.items()
              if kk.endswith("_ok") or kk.endswith("bit_exact"))
     log(args.out, "all_checks_pass", ok)
