@@ -34,11 +34,13 @@ from kernels import resident_linear as rl  # noqa: E402
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 24576), "down": (12288, 4096)}  # K -> N
 ROWS = (1, 2, 4, 8, 16)
 PREFILL_ROWS = 512
-CUDA_SWEEP = {  # (tiles, warps, stages, min_blocks, escape warps): for 1-8 rows of x, for 9-16
+CUDA_SWEEP = {  # (tiles, warps, stages, min_blocks, escape warps), by 8-row tiles of x: 1-8 rows, 9-16, 17-32, 33-64
     1: [(1, 14, 2, 2, 2), (1, 8, 2, 2, 2), (1, 12, 2, 2, 4), (1, 8, 2, 2, 4), (1, 6, 2, 3, 2), (1, 7, 2, 3, 2),
         (1, 8, 2, 2, 1), (1, 7, 2, 3, 1), (2, 7, 2, 2, 1)],
     2: [(1, 7, 2, 2, 2), (1, 6, 2, 3, 2), (1, 7, 2, 2, 4), (1, 4, 2, 3, 4), (1, 8, 2, 2, 4), (1, 5, 2, 3, 2),
-        (1, 7, 2, 3, 1), (2, 7, 2, 2, 1)]}
+        (1, 7, 2, 3, 1), (2, 7, 2, 2, 1)],
+    4: [(1, 8, 2, 1, 2), (1, 12, 1, 1, 2), (1, 6, 2, 1, 4), (1, 16, 1, 1, 4), (1, 4, 2, 2, 2), (1, 10, 2, 1, 2)],
+    8: [(1, 8, 1, 1, 2), (1, 6, 1, 1, 4), (1, 10, 1, 1, 2), (1, 4, 2, 1, 2), (1, 8, 1, 1, 4), (1, 4, 1, 2, 2)]}
 ROTATE_BYTES = 320 << 20  # more than twice the H200's L2
 EMBEDDING = (151936, 4096)  # Qwen3-8B's vocabulary x hidden size
 LOG: dict[str, object] = {}
@@ -96,7 +98,7 @@ def cuda_configs(sweep: bool, m: int, n: int) -> list[mc.Config]:
     """The default build first, then (with --cuda-sweep) the others."""
     out = [mc.default_config(m, n, torch.cuda.get_device_properties(0).multi_processor_count)]
     if sweep:
-        for tiles, warps, stages, blocks, ew in CUDA_SWEEP[1 if m <= 8 else 2]:
+        for tiles, warps, stages, blocks, ew in CUDA_SWEEP[mc.x_tiles(m)]:
             cfg = mc.Config(tiles=tiles, warps=warps, stages=stages, min_blocks=blocks, escape_warps=ew)
             if cfg not in out:
                 out.append(cfg)
@@ -193,7 +195,11 @@ def main() -> int:
                 yt = rl.resident_linear(x, r, plan)
                 checks[f"triton_m{m}_ok"] = rel_err(yt, ref) < 0.02
                 tri_ms = timed([lambda rr=rr, x=x, p=plan: rl.resident_linear(x, rr, p) for rr in rs], True)
+            dec_ms = None
+            if m > 16:  # what the layer runs above FUSED_ROWS: decode once, then cuBLAS
+                dec_ms = timed([lambda ff=ff, x=x: torch.matmul(x, mc.decode(ff).T) for ff in fs], True)
             row = {"shape": name, "K": k, "N": n, "M": m, "cublas_ms": round(torch_ms, 5),
+                   "decode_cublas_ms": None if dec_ms is None else round(dec_ms, 5),
                    "cuda_ms": round(cuda_ms, 5), "cuda_speedup": round(torch_ms / cuda_ms, 3),
                    "cuda_best_ms": round(best[0], 5), "cuda_best_speedup": round(torch_ms / best[0], 3),
                    "cuda_best_cfg": str(best[1]), "cuda_tb_s": round(f.nbytes / cuda_ms / 1e9, 3),
@@ -205,7 +211,8 @@ def main() -> int:
             print(f"{name:8s} M={m:3d}  cuBLAS {torch_ms * 1e3:7.1f} us  CUDA {cuda_ms * 1e3:7.1f} us "
                   f"x{row['cuda_speedup']} ({row['cuda_tb_s']} TB/s; no escapes {bare_ms * 1e3:.1f} us; "
                   f"best x{row['cuda_best_speedup']} {best[1]})  "
-                  f"Triton x{row['triton_speedup']}", flush=True)
+                  f"Triton x{row['triton_speedup']}"
+                  + ("" if dec_ms is None else f"  decode+cuBLAS x{torch_ms / dec_ms:.3f}"), flush=True)
         # prefill: decode once, then cuBLAS
         x = (torch.randn(PREFILL_ROWS, k, device=dev, generator=gen) * 0.5).to(torch.bfloat16)
         torch_ms = timed([lambda ww=ww, x=x: torch.matmul(x, ww.T) for ww in ws], True)

@@ -1,6 +1,6 @@
 """Launchers of the CUDA Glyd matmul (kernels/cuda/matmul.cu) on fragment-order weights (format/fragment_weight.py).
 
-`matmul` runs y = x @ W.T (+ bias) for 1-16 rows of x in one launch: a block holds 16 or 32 rows of W, its warps
+`matmul` runs y = x @ W.T (+ bias) for 1-64 rows of x in one launch: a block holds 16 or 32 rows of W, its warps
 stream a share of K each chunk by chunk through registers into the tensor cores, 1-4 more warps add the escapes,
 and the warps' sums meet in shared memory in a fixed order (the same bits on every run). `decode` writes W out in
 bf16 for prefill-sized matmuls (decode once, then the bf16 GEMM).
@@ -19,7 +19,8 @@ from kernels import nvrtc
 
 SOURCE = "matmul.cu"
 KERNELS = ("glyd_mm", "glyd_mm_decode", "glyd_mm_patch", "glyd_mm_gather")
-MAX_ROWS = 16  # 1-8 rows take one 8-row MMA tile of x, 9-16 two; more rows decode once and use the bf16 GEMM
+MAX_ROWS = 64  # rows of x the kernel takes: 8-row MMA tiles of x, 1, 2, 4 or 8 of them
+FUSED_ROWS = 16  # up to this many rows the layer runs the kernel; more decode once and use the bf16 GEMM
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,10 @@ def default_config(rows: int, n: int = 0, sms: int = 132) -> Config:
     x four escape warps (their walk is the longer there); else 8 or 6 streaming warps and two escape warps. Every
     default compiles without spills (tests/kernels/test_kv_cuda_build.py)."""
     few_tiles = n // TILE_ROWS <= 2 * sms
+    if rows > 32:
+        return Config(tiles=1, warps=8, stages=1, min_blocks=1, escape_warps=2)
+    if rows > 16:
+        return Config(tiles=1, warps=8, stages=2, min_blocks=1, escape_warps=2)
     if rows <= 8:
         return Config(tiles=1, warps=14 if few_tiles else 8, min_blocks=2, escape_warps=2)
     return Config(tiles=1, warps=8, min_blocks=2, escape_warps=4) if few_tiles else \
@@ -44,12 +49,17 @@ def default_config(rows: int, n: int = 0, sms: int = 132) -> Config:
 
 
 def _tiles(rows: int, n: int, cfg: Config) -> int:
-    nt = cfg.tiles or (1 if rows <= 8 else 2)
+    nt = cfg.tiles or (2 if 8 < rows <= 16 else 1)
     return nt if (n // TILE_ROWS) % nt == 0 else 1
 
 
+def x_tiles(rows: int) -> int:
+    """8-row MMA tiles of x a build takes: 1, 2, 4 or 8."""
+    return 1 << max(0, math.ceil(rows / 8) - 1).bit_length()
+
+
 def defines(rows: int, cfg: Config, n: int = TILE_ROWS * 2) -> dict[str, int]:
-    return {"MT": 1 if rows <= 8 else 2, "NT": _tiles(rows, n, cfg), "WARPS": cfg.warps, "STAGES": cfg.stages,
+    return {"MT": x_tiles(rows), "NT": _tiles(rows, n, cfg), "WARPS": cfg.warps, "STAGES": cfg.stages,
             "MIN_BLOCKS": cfg.min_blocks, "EW": cfg.escape_warps}
 
 
@@ -77,7 +87,7 @@ def _check_x(x: torch.Tensor, cols: int) -> None:
 
 def matmul(x: torch.Tensor, f: FragmentWeight, bias: torch.Tensor | None = None, cfg: Config | None = None
            ) -> torch.Tensor:
-    """y = x @ W.T (+ bias), bf16 [M, N], for x bf16 [M <= 16, K] on W's device."""
+    """y = x @ W.T (+ bias), bf16 [M, N], for x bf16 [M <= 64, K] on W's device."""
     n, k = f.shape
     _check_x(x, k)
     m = x.shape[0]
@@ -99,11 +109,12 @@ def matmul(x: torch.Tensor, f: FragmentWeight, bias: torch.Tensor | None = None,
 
 
 def preload(n: int, device: torch.device) -> None:
-    """Compile and load the builds a weight of n rows runs (1-8 rows of x, 9-16, the decode) now, at load time:
-    a first load synchronizes the device, which a CUDA-graph capture must not see."""
+    """Compile and load the builds a weight of n rows runs (one a size class of x up to FUSED_ROWS, the decode) now,
+    at load time: a first load synchronizes the device, which a CUDA-graph capture must not see."""
     sms = _multiprocessors(device.index or 0)
-    for rows in (1, MAX_ROWS):
-        kernels(rows, default_config(rows, n, sms), device, n)
+    for rows in (1, 9, 17, 33):
+        if rows <= FUSED_ROWS:
+            kernels(rows, default_config(rows, n, sms), device, n)
     kernels(1, Config(), device)
 
 

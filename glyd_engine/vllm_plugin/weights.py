@@ -124,7 +124,7 @@ def fragment_linear(x: torch.Tensor, data: torch.Tensor, rowptr: torch.Tensor, e
         from kernels import matmul_cuda as kernel
 
         flat = x.reshape(-1, cols)
-        if flat.shape[0] <= kernel.MAX_ROWS:
+        if flat.shape[0] <= kernel.FUSED_ROWS:
             return kernel.matmul(flat, f, bias).reshape(*x.shape[:-1], rows)
         return dense_gemm(x, kernel.decode(f), bias)
     return dense_gemm(x, fw.decode(f), bias)

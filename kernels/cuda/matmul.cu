@@ -1,6 +1,6 @@
-// The Glyd matmul on NVIDIA GPUs (sm_80+): y = x W^T (+ bias) for 1-16 rows of x, W in the fragment-order weight
+// The Glyd matmul on NVIDIA GPUs (sm_80+): y = x W^T (+ bias) for 1-64 rows of x, W in the fragment-order weight
 // code (docs/format.md section 4.1, glyd_engine/format/fragment_weight.py, the torch reference). Compiled at run time
-// by NVRTC (kernels/nvrtc.py) with -D MT (8-row tiles of x: 1 or 2), NT (16-row tiles of W a block), WARPS (streaming
+// by NVRTC (kernels/nvrtc.py) with -D MT (8-row tiles of x: 1, 2, 4 or 8), NT (16-row tiles of W a block), WARPS (streaming
 // warps a block), STAGES (chunks a warp holds in registers: one decoding, the rest in flight) and MIN_BLOCKS (blocks a
 // multiprocessor: the register budget).
 //
@@ -47,12 +47,13 @@ typedef unsigned short u16;
 #define HR (EW == 1 ? 2 : 1)        // rows of each tile a lane of an escape warp walks
 #define PARTS (EW == 4 ? 2 : 1)     // escape warps sharing a row's list (entries part, part + PARTS, ...)
 #ifndef EB
-#define EB (MT == 1 ? 6 : 4)  // escape entries a row the escape warp loads at once
+#define EB (MT == 1 ? 6 : MT == 2 ? 4 : 2)  // escape entries a row the escape warp loads at once
 #endif
 #define CHUNK_U4 96u  // 16-byte units of a (16-row tile, 64-column chunk): planes L(g), L(g+8), H; 32 lanes each
 #define HMASK 0x87878787u
 
-static_assert(MT == 1 || MT == 2, "1-8 or 9-16 rows of x");
+static_assert(MT == 1 || MT == 2 || MT == 4 || MT == 8, "1-8, 9-16, 17-32 or 33-64 rows of x");
+static_assert((WARPS + EW) * NT * MT * 4 * 32 * 4 <= 48 * 1024, "the warps' sums fit static shared memory");
 static_assert(STAGES >= 1 && STAGES <= 4, "1-4 chunks in registers");
 static_assert(EW == 1 || EW == 2 || EW == 4, "one, two or four escape warps");
 
@@ -108,9 +109,8 @@ extern "C" __global__ void __launch_bounds__((WARPS + EW) * 32, MIN_BLOCKS) glyd
 
   if (warp < WARPS) {  // a share of K: chunks [c0, c1) of the block's NT tiles
     const int c0 = warp * chunks / WARPS, c1 = (warp + 1) * chunks / WARPS;
-    const bool has0 = g < M, has1 = MT == 2 && g + 8 < M;
-    const uint4* xp0 = reinterpret_cast<const uint4*>(x + size_t(g) * ldx) + 2 * t;  // + 8 a chunk
-    const uint4* xp1 = reinterpret_cast<const uint4*>(x + size_t(g + 8) * ldx) + 2 * t;
+    const uint4* xp = reinterpret_cast<const uint4*>(x + size_t(g) * ldx) + 2 * t;  // row g; + 8 a chunk
+    const size_t xrows8 = size_t(ldx);  // 16-byte units between rows g and g + 8 (8 rows of ldx bf16)
     const uint4* wp = w + size_t(tile0) * chunks * CHUNK_U4 + lane;
     const size_t tile_u4 = size_t(chunks) * CHUNK_U4;
     const u32 kb = u32(lo >> 1) * 0x01010101u;
@@ -125,11 +125,11 @@ extern "C" __global__ void __launch_bounds__((WARPS + EW) * 32, MIN_BLOCKS) glyd
           ws[n][1] = ld_stream(p + 32);
           ws[n][2] = ld_stream(p + 64);
         }
-        xs[0] = has0 ? __ldg(xp0 + 8 * c) : zero;
-        xs[1] = has0 ? __ldg(xp0 + 8 * c + 1) : zero;
-        if (MT == 2) {
-          xs[2 * MT - 2] = has1 ? __ldg(xp1 + 8 * c) : zero;
-          xs[2 * MT - 1] = has1 ? __ldg(xp1 + 8 * c + 1) : zero;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          const bool has = 8 * mt + g < M;
+          xs[2 * mt] = has ? __ldg(xp + mt * xrows8 + 8 * c) : zero;
+          xs[2 * mt + 1] = has ? __ldg(xp + mt * xrows8 + 8 * c + 1) : zero;
         }
       }
     };

@@ -54,7 +54,7 @@ def test_cubins_are_cached_by_source_defines_and_arch(tmp_path, monkeypatch: pyt
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-@pytest.mark.parametrize("rows", [1, 16])
+@pytest.mark.parametrize("rows", [1, 16, 32, 64])
 @pytest.mark.parametrize("n", [4096, 24576])  # the two default builds: two or three blocks a multiprocessor
 def test_matmul_kernels_compile_without_spills(arch: str, rows: int, n: int) -> None:
     from kernels import matmul_cuda

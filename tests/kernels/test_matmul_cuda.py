@@ -1,7 +1,7 @@
 """The CUDA Glyd matmul (kernels/matmul_cuda.py) against the torch reference (runs where a CUDA GPU is).
 
 The decode kernel returns every bf16 pattern bit for bit; the fused matmul is within bf16 tolerance of an fp32
-product for 1-16 rows, with escapes (zeros, outliers, an infinity), bias, one or two 16-row tiles of W a block and
+product for 1-64 rows, with escapes (zeros, outliers, an infinity), bias, one or two 16-row tiles of W a block and
 K in shares of 3-15 warps; it gives the same bits twice and under CUDA-graph replay.
 """
 
@@ -62,7 +62,11 @@ def _check(x: torch.Tensor, w: torch.Tensor, got: torch.Tensor, bias: torch.Tens
     assert float(err.max()) < 1.6e-2, float(err.max())
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 12, 16])
+BUILDS_TO_16 = [(1, 3, 4, 2, 1), (2, 15, 2, 1, 1), (1, 7, 3, 1, 1), (1, 6, 2, 2, 2), (1, 5, 2, 2, 4)]
+BUILDS_TO_64 = [(1, 4, 2, 1, 1), (1, 6, 1, 1, 4), (1, 9, 2, 1, 2)]  # (tiles, warps, stages, min blocks, escape warps)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 12, 16, 17, 24, 32, 40, 64])
 @pytest.mark.parametrize(("n", "k"), [(48, 128), (64, 256), (960, 576), (6144, 4096)])
 def test_matmul_matches_float64(m: int, n: int, k: int):
     mm = _mm()
@@ -72,10 +76,8 @@ def test_matmul_matches_float64(m: int, n: int, k: int):
     g = torch.Generator(device=DEV).manual_seed(m)
     x = (torch.randn(m, k, device=DEV, generator=g) * 0.5).to(torch.bfloat16)
     bias = (torch.randn(n, device=DEV, generator=g)).to(torch.bfloat16)
-    for cfg in (None, mm.Config(tiles=1, warps=3, stages=4, min_blocks=2),
-                mm.Config(tiles=2, warps=15, stages=2, min_blocks=1),
-                mm.Config(tiles=1, warps=7, stages=3, min_blocks=1), mm.Config(tiles=1, warps=6, escape_warps=2),
-                mm.Config(tiles=1, warps=5, escape_warps=4)):
+    builds = [mm.Config(*b) for b in (BUILDS_TO_16 if m <= 16 else BUILDS_TO_64)]
+    for cfg in (None, *builds):
         got = mm.matmul(x, f, bias if cfg is None else None, cfg)
         assert got.shape == (m, n) and got.dtype == torch.bfloat16
         _check(x, w, got, bias if cfg is None else None)
@@ -105,8 +107,8 @@ def test_matmul_reads_rows_of_a_wider_tensor_and_replays_in_a_cuda_graph():
         assert torch.equal(out.view(torch.int16), first.view(torch.int16))
 
 
-def test_rows_above_sixteen_are_refused_with_the_alternative():
+def test_rows_above_the_kernels_are_refused_with_the_alternative():
     mm = _mm()
     f = fw.from_bits(model_like(16, 64, seed=1)).to(DEV)
     with pytest.raises(ValueError, match="decode once"):
-        mm.matmul(torch.zeros(17, 64, dtype=torch.bfloat16, device=DEV), f)
+        mm.matmul(torch.zeros(mm.MAX_ROWS + 1, 64, dtype=torch.bfloat16, device=DEV), f)
