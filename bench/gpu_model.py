@@ -60,10 +60,11 @@ def linear_ms(rows: int, dev: str, gen: torch.Generator) -> dict[str, float]:
 
 def write_ms(code: Code, rows: int, dev: str) -> dict[str, float]:
     """One decode token for each of `rows` sequences, the first of its tile (so that every replay writes the same
-    bytes): the kernel alone (replayed from a CUDA graph), and the whole `kv_cuda.write` call as the backend makes it
-    in a step: a store a layer, each write followed by GPU work of about a layer's attention and linears (a sleep
-    kernel), one sync at the step's end; its figure is the step's time less the same step without writes, a layer."""
-    import time
+    bytes): the kernel alone (replayed from a CUDA graph), which is what a step's GPU time holds when the call does not
+    wait; whether it waits, counted over modelled steps (a store a layer, each write followed by GPU work of about a
+    layer's attention and linears, a sleep kernel, one sync at the step's end: the host runs ahead as in serving); and
+    the host time of a call (Python and launch, overlapped with the GPU's work in a step)."""
+    import triton.testing as tt
 
     from kernels import kv_cuda, kv_overflow
 
@@ -84,34 +85,23 @@ def write_ms(code: Code, rows: int, dev: str) -> dict[str, float]:
     t1.record()
     torch.cuda.synchronize()
     cycles = int((1 << 20) * 0.8 / t0.elapsed_time(t1))  # ~0.8 ms a layer
-
-    def step(write: bool) -> float:
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
+    checked = sum(kv_overflow.device_runs(o, lay.head_size).checked for _, o in layers)
+    steps = 12
+    for _ in range(steps):
         for c, o in layers:
-            if write:
-                kv_cuda.write(c, lay, code.tops, o, k, v, slots)
+            kv_cuda.write(c, lay, code.tops, o, k, v, slots)
             torch.cuda._sleep(cycles)
         torch.cuda.synchronize()
-        return time.perf_counter() - t0
-
-    for w in (False, True):
-        step(w)
-    checked = sum(kv_overflow.device_runs(o, lay.head_size).checked for _, o in layers)
-    times: dict[bool, list[float]] = {False: [], True: []}
-    for _ in range(11):  # interleaved: the machine's drift falls on both
-        for w in (False, True):
-            times[w].append(step(w))
-    checked = sum(kv_overflow.device_runs(o, lay.head_size).checked for _, o in layers) - checked
-    median = {w: sorted(x)[len(x) // 2] for w, x in times.items()}
-    return {"kernel": kernel, "call": max(0.0, (median[True] - median[False]) * 1e3 / LAYERS),
-            "checked_calls": checked}
+    waits = sum(kv_overflow.device_runs(o, lay.head_size).checked for _, o in layers) - checked
+    host = float(tt.do_bench(lambda: kv_cuda.write(cache, lay, code.tops, ovf, k, v, slots), warmup=5, rep=50,
+                             return_mode="median"))
+    return {"kernel": kernel, "waits": waits, "writes": steps * LAYERS, "call_host_ms": host}
 
 
 def throughput_model(pools: Pools, attention_row: Callable[[int, int], dict[str, object]], dev: str, kv_gib: float,
                      heads: int, head_size: int) -> dict[str, object]:
     """Each cache's batch, per-layer times, step and tokens a second; ratios against the bf16 cache (vLLM's kernel),
-    with the page write as its kernel alone and as the backend's call in a step (`write_ms`). `attention_row`
+    with the page write as its kernel alone, and whether the backend's call waits (`write_ms`). `attention_row`
     (batch, context) is bench/gpu.py's timed row: every kernel at that shape, side by side."""
     sizes = batches(kv_gib, pools, heads, head_size)
     tgen = torch.Generator(device=dev).manual_seed(7)
@@ -121,29 +111,27 @@ def throughput_model(pools: Pools, attention_row: Callable[[int, int], dict[str,
         row = attn_rows[s]
         attn = row.get("vllm_ms", math.nan) if name == "bf16" else row[f"{name}_ms"]
         lin = linear_ms(s, dev, tgen)
-        write = {"kernel": 0.0, "call": 0.0} if name == "bf16" else write_ms(
+        write = {"kernel": 0.0} if name == "bf16" else write_ms(
             pools.codes[int(name[4:])], s, dev)
         layer_lin = sum(v for k, v in lin.items() if k != "lm_head")
         entry: dict[str, object] = {"batch": s, "attention_ms": attn, "write_ms": write, "linears_ms": lin}
-        for kind in ("kernel", "call"):
-            step = LAYERS * (attn + write[kind] + layer_lin) + lin["lm_head"]
-            entry[f"step_ms_{kind}"] = step
-            entry[f"tokens_per_s_{kind}"] = s / (step / 1e3)
+        step = LAYERS * (attn + write["kernel"] + layer_lin) + lin["lm_head"]
+        entry["step_ms"] = step
+        entry["tokens_per_s"] = s / (step / 1e3)
         result["caches"][name] = entry
-    ref = result["caches"]["bf16"]["tokens_per_s_kernel"]
+    ref = result["caches"]["bf16"]["tokens_per_s"]
     for entry in result["caches"].values():
-        for kind in ("kernel", "call"):
-            entry[f"vs_bf16_{kind}"] = entry[f"tokens_per_s_{kind}"] / ref
+        entry["vs_bf16"] = entry["tokens_per_s"] / ref
     return result
 
 
 def print_model(model: dict[str, object]) -> None:
     print(f"\nthroughput model: {model['kv_gib']} GiB of KV, {model['context']}-token sequences, {model['layers']} "
-          "layers\n| cache | batch | attention ms | write ms (kernel / call) | linears ms | step ms (kernel / "
-          "call) | tokens/s | vs bf16 (kernel / call) |\n|---|---|---|---|---|---|---|---|")
+          "layers\n| cache | batch | attention ms | write ms (kernel; waits / writes in modelled steps; host ms a call)"
+          " | linears ms | step ms | tokens/s | vs bf16 |\n|---|---|---|---|---|---|---|---|")
     for name, e in model["caches"].items():
         lin = sum(v for k, v in e["linears_ms"].items() if k != "lm_head")
-        print(f"| {name} | {e['batch']} | {e['attention_ms']:.3f} | {e['write_ms']['kernel']:.4f} / "
-              f"{e['write_ms']['call']:.4f} | {lin:.3f} | {e['step_ms_kernel']:.2f} / "
-              f"{e['step_ms_call']:.2f} | {e['tokens_per_s_kernel']:.0f} | {e['vs_bf16_kernel']:.2f}x / "
-              f"{e['vs_bf16_call']:.2f}x |")
+        w = e["write_ms"]
+        wt = "-" if name == "bf16" else f"{w['kernel']:.4f}; {w['waits']} / {w['writes']}; {w['call_host_ms']:.3f}"
+        print(f"| {name} | {e['batch']} | {e['attention_ms']:.3f} | {wt} | {lin:.3f} | {e['step_ms']:.2f} | "
+              f"{e['tokens_per_s']:.0f} | {e['vs_bf16']:.2f}x |")

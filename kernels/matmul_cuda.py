@@ -20,7 +20,7 @@ from kernels import nvrtc
 SOURCE = "matmul.cu"
 KERNELS = ("glyd_mm", "glyd_mm_decode", "glyd_mm_patch", "glyd_mm_gather")
 MAX_ROWS = 64  # rows of x the kernel takes: 8-row MMA tiles of x, 1, 2, 4 or 8 of them
-FUSED_ROWS = 16  # up to this many rows the layer runs the kernel; more decode once and use the bf16 GEMM
+FUSED_ROWS = 64  # up to this many rows the layer runs the kernel; more decode once and use the bf16 GEMM
 
 
 @dataclass(frozen=True)
@@ -33,15 +33,16 @@ class Config:
 
 
 def default_config(rows: int, n: int = 0, sms: int = 132) -> Config:
-    """The H200's best of bench/gpu_linear.py's sweeps (docs/benchmarks.md) for W with n rows: where W has at most
-    two 16-row tiles a multiprocessor, more streaming warps a block (each a shorter share of K), and for 9-16 rows of
-    x four escape warps (their walk is the longer there); else 8 or 6 streaming warps and two escape warps. Every
-    default compiles without spills (tests/kernels/test_kv_cuda_build.py)."""
+    """The H200's best of bench/gpu_linear.py's sweeps (docs/benchmarks.md) for W with n rows: up to 16 rows of x,
+    where W has at most two 16-row tiles a multiprocessor, more streaming warps a block (each a shorter share of K),
+    and for 9-16 rows four escape warps (their walk is the longer there), else 8 or 6 streaming warps and two escape
+    warps; for 17-64 rows few streaming warps, whatever the shape. Every default compiles without spills
+    (tests/kernels/test_kv_cuda_build.py)."""
     few_tiles = n // TILE_ROWS <= 2 * sms
     if rows > 32:
-        return Config(tiles=1, warps=8, stages=1, min_blocks=1, escape_warps=2)
+        return Config(tiles=1, warps=6, stages=1, min_blocks=1, escape_warps=4)
     if rows > 16:
-        return Config(tiles=1, warps=8, stages=2, min_blocks=1, escape_warps=2)
+        return Config(tiles=1, warps=4, stages=2, min_blocks=2, escape_warps=2)
     if rows <= 8:
         return Config(tiles=1, warps=14 if few_tiles else 8, min_blocks=2, escape_warps=2)
     return Config(tiles=1, warps=8, min_blocks=2, escape_warps=4) if few_tiles else \

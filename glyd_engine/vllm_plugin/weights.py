@@ -7,9 +7,9 @@ file's prefix code and re-coded into the resident form (format/resident.py, ~12 
 in memory. Every matmul decodes its weight to bf16 and runs vLLM's own unquantized GEMM on it, so outputs
 equal the bf16 model's bit for bit. On CUDA a weight whose shape allows it is held in the fragment layout
 instead (format/fragment_weight.py, `GLYD_WEIGHT_LAYOUT`): the CUDA matmul (kernels/matmul_cuda.py) decodes it
-in registers for 1-16 rows of x, larger batches decode it once and run vLLM's GEMM; other weights run the
-Triton kernels (kernels/resident_linear.py). The embedding decodes only the rows a batch looks up on the CPU;
-a tied lm_head reads the embedding's weight.
+in registers for 1-64 rows of x, larger batches decode it once and run vLLM's GEMM; other weights run the
+Triton kernels (kernels/resident_linear.py). An embedding in the fragment layout decodes only the rows a batch
+looks up (the resident one too, on the CPU); a tied lm_head reads the embedding's weight.
 """
 
 from __future__ import annotations
@@ -117,8 +117,8 @@ def _(ids: torch.Tensor, sm: torch.Tensor, offs: torch.Tensor, esc_pos: torch.Te
 @torch.library.custom_op("glyd::fragment_linear", mutates_args=())
 def fragment_linear(x: torch.Tensor, data: torch.Tensor, rowptr: torch.Tensor, esc: torch.Tensor, lo: int, rows: int,
                     cols: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ W.T (+ bias), W in the fragment layout. CUDA: the CUDA matmul for up to 16 rows of x, else its decode +
-    vLLM's GEMM. CPU: the layout's torch decode + vLLM's GEMM (the bf16 model's bits; how the tests run it)."""
+    """x @ W.T (+ bias), W in the fragment layout. CUDA: the CUDA matmul for up to FUSED_ROWS (64) rows of x, else its
+    decode + vLLM's GEMM. CPU: the layout's torch decode + vLLM's GEMM (the bf16 model's bits; how the tests run it)."""
     f = fw.FragmentWeight((rows, cols), data, lo, rowptr, esc)
     if x.is_cuda:
         from kernels import matmul_cuda as kernel
