@@ -5,9 +5,10 @@ weights (kernels/matmul_cuda.py, what `--quantization glyd` runs on CUDA) and th
 Weights: N(0, 0.02) bf16 with 0.2% outliers (x100) and 0.05% zeros, so about 0.25% of them escape the
 15-exponent window, as on the demo model (docs/benchmarks.md). For each shape it checks both decode kernels bit
 for bit against the bf16 weight and both matmuls against an fp32 reference (the same bits twice), then times,
-under CUDA graphs with the weights rotated over copies that together exceed L2, each pair side by side at 1-16
-rows (and 32 and 64, with decode + cuBLAS beside them), and decode + cuBLAS at 512 rows. `--cuda-sweep` also times other builds of the CUDA kernel (warps, stages,
-blocks a multiprocessor, K splits) and reports the best. Prints a table; logs to $OUT.
+under CUDA graphs with the weights rotated over copies that together exceed L2, each pair side by side at 1-64
+rows (the Triton kernel to 64, decode + cuBLAS beside them from 32), and decode + cuBLAS at 512 rows. `--cuda-sweep`
+also times other builds of the CUDA kernel (warps, stages, blocks a multiprocessor, escape warps) and reports the
+best; lookups in a Qwen3-8B-shaped embedding table close the run. Prints a table; logs to $OUT.
 
 Run (device):  PYTHONUNBUFFERED=1 python3 bench/gpu_linear.py --out $OUT [--cuda-sweep]
 """
