@@ -85,17 +85,24 @@ def write_ms(code: Code, rows: int, dev: str) -> dict[str, float]:
     t1.record()
     torch.cuda.synchronize()
     cycles = int((1 << 20) * 0.8 / t0.elapsed_time(t1))  # ~0.8 ms a layer
-    checked = sum(kv_overflow.device_runs(o, lay.head_size).checked for _, o in layers)
-    steps = 12
-    for _ in range(steps):
-        for c, o in layers:
-            kv_cuda.write(c, lay, code.tops, o, k, v, slots)
-            torch.cuda._sleep(cycles)
+    def waits(steps: int, ahead: int) -> int:
+        """Checked calls in `steps` steps, the host syncing every `ahead` steps (2: a step ahead, as with vLLM's
+        async scheduling)."""
+        before = sum(kv_overflow.device_runs(o, lay.head_size).checked for _, o in layers)
+        for s in range(steps):
+            for c, o in layers:
+                kv_cuda.write(c, lay, code.tops, o, k, v, slots)
+                torch.cuda._sleep(cycles)
+            if (s + 1) % ahead == 0:
+                torch.cuda.synchronize()
         torch.cuda.synchronize()
-    waits = sum(kv_overflow.device_runs(o, lay.head_size).checked for _, o in layers) - checked
+        return sum(kv_overflow.device_runs(o, lay.head_size).checked for _, o in layers) - before
+
+    steps = 12
     host = float(tt.do_bench(lambda: kv_cuda.write(cache, lay, code.tops, ovf, k, v, slots), warmup=5, rep=50,
                              return_mode="median"))
-    return {"kernel": kernel, "waits": waits, "writes": steps * LAYERS, "call_host_ms": host}
+    return {"kernel": kernel, "waits": waits(steps, 1), "waits_a_step_ahead": waits(steps, 2), "writes": steps * LAYERS,
+            "call_host_ms": host}
 
 
 def throughput_model(pools: Pools, attention_row: Callable[[int, int], dict[str, object]], dev: str, kv_gib: float,
@@ -127,11 +134,12 @@ def throughput_model(pools: Pools, attention_row: Callable[[int, int], dict[str,
 
 def print_model(model: dict[str, object]) -> None:
     print(f"\nthroughput model: {model['kv_gib']} GiB of KV, {model['context']}-token sequences, {model['layers']} "
-          "layers\n| cache | batch | attention ms | write ms (kernel; waits / writes in modelled steps; host ms a call)"
+          "layers\n| cache | batch | attention ms | write ms (kernel; waits, a step ahead / writes; host ms a call)"
           " | linears ms | step ms | tokens/s | vs bf16 |\n|---|---|---|---|---|---|---|---|")
     for name, e in model["caches"].items():
         lin = sum(v for k, v in e["linears_ms"].items() if k != "lm_head")
         w = e["write_ms"]
-        wt = "-" if name == "bf16" else f"{w['kernel']:.4f}; {w['waits']} / {w['writes']}; {w['call_host_ms']:.3f}"
+        wt = "-" if name == "bf16" else (f"{w['kernel']:.4f}; {w['waits']}, {w['waits_a_step_ahead']} / {w['writes']}; "
+                                          f"{w['call_host_ms']:.3f}")
         print(f"| {name} | {e['batch']} | {e['attention_ms']:.3f} | {wt} | {lin:.3f} | {e['step_ms']:.2f} | "
               f"{e['tokens_per_s']:.0f} | {e['vs_bf16']:.2f}x |")

@@ -18,7 +18,8 @@ import torch
 
 from glyd_engine.format.kv_page import OVERFLOW_MIN_RUN, TILE, OverflowStore
 
-HEADROOM_TOKENS = 256  # the arena keeps room for this many tokens' worst case (a decode step of 256 sequences)
+HEADROOM_TOKENS = 256  # the arena keeps room for two writes of this many tokens in flight (decode steps of 256
+LIVE_HEADROOM = 32  # sequences, one ahead as with async scheduling) beyond this many times its live runs
 MAX_UNITS = 1 << 27  # run offsets are 27 bits of 8-entry units in the run pointers
 
 
@@ -103,12 +104,15 @@ class DeviceRuns:
 
     def make_room(self, tokens: int, extra: int = 0) -> None:
         """After `wait`: compact into a larger arena if a write of `tokens` (bounded by HEADROOM_TOKENS) and `extra`
-        more entries would not fit; the arena keeps room for a few such writes beyond the live runs."""
+        more entries would not fit. Two writes in flight take the bound from a top t to 9 t + 4 w (w a write's new
+        values); the new arena leaves that room (the top is the live runs right after compaction, their moved runs'
+        space later)."""
         want = self.worst(self.bound, min(tokens, HEADROOM_TOKENS)) + extra
         if want <= self.capacity and not extra:
             return
         live = int(OverflowStore.unpack(self.store.ptr)[1].sum())
-        target = max(self.worst(live, min(tokens, HEADROOM_TOKENS)), 4 * live + 2 * self.worst(0, HEADROOM_TOKENS))
+        target = max(self.worst(live, min(tokens, HEADROOM_TOKENS)),
+                     LIVE_HEADROOM * live + 4 * self.worst(0, HEADROOM_TOKENS))
         target += extra
         if -(-target // OVERFLOW_MIN_RUN) > MAX_UNITS:
             raise MemoryError(f"the Glyd overflow arena would pass {MAX_UNITS * OVERFLOW_MIN_RUN} entries")
