@@ -248,9 +248,9 @@ def check_tokens(cache, lay, tops, ovf, slots, k, v) -> None:
 
 @pytest.mark.parametrize("code_bits", [3, 4])
 def test_overflow_runs_taken_on_the_device_lose_nothing(code_bits: int) -> None:
-    """Decode steps (a token for each of 24 sequences) of values that mostly miss their windows, into an arena with
-    no room at first: runs are taken and doubled on the device, the arena is compacted and grown as the host's bound
-    requires, and a long prefill that finds no room runs again for those tiles. The bound stays above the device's
+    """Values that mostly miss their windows, into an arena with no room at first: a long prefill that finds no room
+    runs again for those tiles, then decode steps (a token for each of 24 sequences) take and double runs on the
+    device while the arena is compacted and grown as the host's bound requires. The bound stays above the device's
     top after every write; pages equal the reference writer's; every value reads back bit for bit."""
     from kernels import kv_cuda, kv_overflow
 
@@ -267,24 +267,23 @@ def test_overflow_runs_taken_on_the_device_lose_nothing(code_bits: int) -> None:
     wild = lambda n: (torch.randn(n, h, d, generator=g) * torch.exp2(torch.randint(-40, 40, (n, h, d), generator=g)  # noqa: E731
                                                                      .float())).to(torch.bfloat16)
     blocks = torch.randperm(nb, generator=g)
-    all_slots = decode_steps(seqs, steps, block, blocks)
-    ks, vs = [], []
-    for sl in all_slots:
-        k, v = wild(seqs), wild(seqs)
-        codec.write(cache_cpu, ovf_cpu, k, v, sl)
-        kv_cuda.write(cache_gpu, lay, tops_gpu, ovf_gpu, k.to(DEV), v.to(DEV), sl.to(DEV))
-        runs = kv_overflow.device_runs(ovf_gpu, d)
-        top = int(runs.counters[0]) * kp.OVERFLOW_MIN_RUN
-        assert top <= runs.bound <= runs.capacity, (top, runs.bound, runs.capacity)
-        ks.append(k), vs.append(v)
-    assert runs.checked < steps // 2, runs.checked  # most decode steps ran unchecked
     pb = blocks[seqs * math.ceil(steps / block) :]
     t = torch.arange(prefill)
     sl = pb[t // block] * block + t % block
     k, v = wild(prefill), wild(prefill)
     codec.write(cache_cpu, ovf_cpu, k, v, sl)
-    assert kv_cuda.write(cache_gpu, lay, tops_gpu, ovf_gpu, k.to(DEV), v.to(DEV), sl.to(DEV)) >= 1  # ran again
-    all_slots.append(sl), ks.append(k), vs.append(v)
+    # the arena's first size keeps room for decode steps, not for a prefill this long: it runs again
+    assert kv_cuda.write(cache_gpu, lay, tops_gpu, ovf_gpu, k.to(DEV), v.to(DEV), sl.to(DEV)) >= 1
+    runs = kv_overflow.device_runs(ovf_gpu, d)
+    ks, vs, all_slots = [k], [v], [sl]
+    for sl in decode_steps(seqs, steps, block, blocks):
+        k, v = wild(seqs), wild(seqs)
+        codec.write(cache_cpu, ovf_cpu, k, v, sl)
+        kv_cuda.write(cache_gpu, lay, tops_gpu, ovf_gpu, k.to(DEV), v.to(DEV), sl.to(DEV))
+        top = int(runs.counters[0]) * kp.OVERFLOW_MIN_RUN
+        assert top <= runs.bound <= runs.capacity, (top, runs.bound, runs.capacity)
+        ks.append(k), vs.append(v), all_slots.append(sl)
+    assert runs.checked < steps // 2, runs.checked  # most decode steps ran unchecked
     assert ovf_gpu.grows >= 2 and int(runs.counters[1]) == 0
     assert torch.equal(cache_gpu.cpu(), cache_cpu)
     check_tokens(cache_gpu, lay, tops_gpu, ovf_gpu, torch.cat(all_slots), torch.cat(ks), torch.cat(vs))
