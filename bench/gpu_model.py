@@ -85,6 +85,7 @@ def write_ms(code: Code, rows: int, dev: str) -> dict[str, float]:
     t1.record()
     torch.cuda.synchronize()
     cycles = int((1 << 20) * 0.8 / t0.elapsed_time(t1))  # ~0.8 ms a layer
+
     def waits(steps: int, ahead: int) -> int:
         """Checked calls in `steps` steps, the host syncing every `ahead` steps (2: a step ahead, as with vLLM's
         async scheduling)."""

@@ -42,7 +42,6 @@ class DeviceRuns:
         self._since: list[int] = []  # tokens of the writes after the snapshot in flight
         self.need = torch.zeros(0, store.num_heads, 2, dtype=torch.int32, device=device)
         self.checked = 0  # writes that waited for the device
-        self.syncs = 0  # waits
 
     @property
     def capacity(self) -> int:
@@ -97,7 +96,6 @@ class DeviceRuns:
         top, missed = (int(x) for x in self.counters.tolist())
         if not misses_expected:
             _no_misses(missed)
-        self.syncs += 1
         self._event, self._since = None, []
         self.bound = top * OVERFLOW_MIN_RUN
         return self.bound, missed
