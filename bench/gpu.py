@@ -12,7 +12,8 @@ attention for batch x context of (a) ours on compressed pages of each code, (b) 
 on bf16 pages (vLLM's Triton unified attention kernel, laid out under .baseline/, git-ignored), (c) torch SDPA on
 contiguous bf16, each timed from CUDA-graph replays (median; inputs rotated where a case would sit in L2), side by
 side. `--variants` also times other builds of our kernel (compile-time constants), `--splits` our kernel with the
-context split forced. Prints a table; writes gpu_bench.json under --out.
+context split forced. Then the throughput model (bench/gpu_model.py) and a decode step's 36 layers launched from
+Python against replayed from a CUDA graph (bench/gpu_graph.py). Prints tables; writes gpu_bench.json under --out.
 
 Run (device):  PYTHONUNBUFFERED=1 python3 bench/gpu.py --out $OUT
 """
@@ -36,7 +37,7 @@ sys.path.insert(0, str(ROOT / ".baseline"))
 
 import torch  # noqa: E402
 
-from bench import gpu_model  # noqa: E402
+from bench import gpu_graph, gpu_model  # noqa: E402
 from glyd_engine.format import kv_page as kp  # noqa: E402
 from kernels import kv_cuda  # noqa: E402
 
@@ -216,6 +217,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "these counts, e.g. 1,2,3 (columns sN: ratio to vLLM)")
     ap.add_argument("--kv-gib", type=float, default=100.0, help="KV memory of the throughput model (every cache)")
     ap.add_argument("--no-model", action="store_true", help="skip the throughput model")
+    ap.add_argument("--graph-batches", default="1,8,64", help="batches of the decode step launched from Python vs "
+                    "replayed from a CUDA graph (bench/gpu_graph.py); empty to skip")
     args = ap.parse_args(argv)
     args.batches = [int(x) for x in args.batches.split(",")]
     args.contexts = [int(x) for x in args.contexts.split(",")]
@@ -223,6 +226,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.variants = [tuple((k, int(v)) for k, v in (kv.split("=") for kv in part.split(",")))
                      for part in args.variants.split(";") if part]
     args.splits = [int(x) for x in args.splits.split(",") if x]
+    args.graph_batches = [int(x) for x in args.graph_batches.split(",") if x]
     if any(n < 1 for n in args.splits):
         ap.error("--splits takes counts of 1 or more")
     return args
@@ -470,6 +474,13 @@ def main() -> None:
             pools, lambda S, L: time_row(S, L, pools, base, gen, dev, [], []), dev, args.kv_gib, H, D)
         log("throughput_model", model, out)
         gpu_model.print_model(model)
+
+    if args.graph_batches:
+        code = pools.codes[max(pools.codes)]
+        ggen = torch.Generator().manual_seed(11)
+        steps = [gpu_graph.step_times(code, S, H, HQ, SCALE, pools.nblocks, ggen, dev) for S in args.graph_batches]
+        log("graph_steps", steps, out)
+        gpu_graph.print_steps(steps)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from glyd_engine.format.kv_page import OVERFLOW_MIN_RUN, TILE, KVPageLayout, OverflowStore
+from glyd_engine.format.kv_page import TILE, KVPageLayout, OverflowStore
 from kernels import kv_overflow, nvrtc
 
 SOURCE = "kv_pages.cu"
@@ -65,12 +65,13 @@ def _check(cache: torch.Tensor, layout: KVPageLayout, tops: torch.Tensor) -> int
     return h
 
 
-def _overflow_args(overflow: OverflowStore | None, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The store's run table and arena (kernels read them only for tiles whose entries passed the page's list)."""
+def _overflow_args(overflow: OverflowStore | None, layout: KVPageLayout, device: torch.device
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The store's run table and arena reference (kernels read them only for tiles whose entries passed the page's
+    list; the reference, in device memory, stays valid in a captured graph when the arena moves)."""
     if overflow is None:
-        return torch.full((1,), -1, dtype=torch.int32, device=device), torch.zeros(8, dtype=torch.int16, device=device)
-    arena = overflow.arena if overflow.arena.numel() else torch.zeros(8, dtype=torch.int16, device=device)
-    return overflow.ptr, arena
+        return torch.full((1,), -1, dtype=torch.int32, device=device), torch.zeros(2, dtype=torch.int64, device=device)
+    return overflow.ptr, kv_overflow.device_runs(overflow, layout.head_size).arena_ref()
 
 
 def num_splits_for(batch: int, num_kv_heads: int, max_seq_len: int, sms: int = SMS,
@@ -105,7 +106,8 @@ def decode_attention(query: torch.Tensor, cache: torch.Tensor, layout: KVPageLay
     """Attention of one query token a sequence over compressed pages.
 
     query [S, Hq, D] bf16 (head dim contiguous); block_table int32 [S, max_blocks]; seq_lens int32 [S] (all >= 1);
-    max_seq_len (host int) sizes the context split. Returns out [S, Hq, D] bf16.
+    max_seq_len (host int) sizes the context split: each sequence's splits share its own tiles, so any count is
+    correct for any length, and a captured graph passes the longest length it will replay. Returns out [S, Hq, D].
     """
     h = _check(cache, layout, tops)
     s, hq, d = query.shape
@@ -120,7 +122,6 @@ def decode_attention(query: torch.Tensor, cache: torch.Tensor, layout: KVPageLay
     if s == 0:
         return out
     splits = num_splits or num_splits_for(s, h, max_seq_len, _multiprocessors(query.device), build["MIN_BLOCKS"])
-    tiles_per_split = math.ceil(math.ceil(max(1, max_seq_len) / TILE) / splits)
     if splits > 1:
         if scratch is None:
             part_o = torch.empty(s * hq * splits * d, dtype=torch.float32, device=query.device)
@@ -129,13 +130,13 @@ def decode_attention(query: torch.Tensor, cache: torch.Tensor, layout: KVPageLay
             part_o, part_ml = scratch
     else:
         part_o = part_ml = out
-    ptr, arena = _overflow_args(overflow, cache.device)
+    ptr, ref = _overflow_args(overflow, layout, cache.device)
     bt = block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)
     sl = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.to(torch.int32)
     ks["kv_decode_attention"](
         (splits, h, s), (warps * 32,),
-        [query, out, part_o, part_ml, cache, tops, ptr, arena, bt, sl, float(scale * 1.4426950408889634),
-         query.stride(0), query.stride(1), out.stride(0), out.stride(1), bt.stride(0), h, tiles_per_split, splits],
+        [query, out, part_o, part_ml, cache, tops, ptr, ref, bt, sl, float(scale * 1.4426950408889634),
+         query.stride(0), query.stride(1), out.stride(0), out.stride(1), bt.stride(0), h, splits],
         smem=smem)
     if splits > 1:
         ks["kv_merge"]((s, hq), (d,), [out, part_o, part_ml, out.stride(0), out.stride(1), hq, splits])
@@ -153,8 +154,8 @@ def read_tiles(cache: torch.Tensor, layout: KVPageLayout, tops: torch.Tensor, ti
     k = torch.empty(n, h, TILE, layout.head_size, dtype=torch.bfloat16, device=cache.device)
     v = torch.empty_like(k)
     if n:
-        ptr, arena = _overflow_args(overflow, cache.device)
-        ks["kv_read_tiles"]((n, h), (32,), [k, v, cache, tops, ptr, arena, tiles.to(torch.int64).contiguous(), h])
+        ptr, ref = _overflow_args(overflow, layout, cache.device)
+        ks["kv_read_tiles"]((n, h), (32,), [k, v, cache, tops, ptr, ref, tiles.to(torch.int64).contiguous(), h])
     return k, v
 
 
@@ -171,8 +172,9 @@ SPAN_TOKENS = 1024  # writes of at most this many tokens get a block a token (de
 def write(cache: torch.Tensor, layout: KVPageLayout, tops: torch.Tensor, overflow: OverflowStore,
           key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> int:
     """Append the step's K/V [T, H, D] bf16 at `slots` (int64; -1 padding); a tile's tokens must be consecutive
-    and in order. Runs without a host sync when the arena surely has room (kernels/kv_overflow.py); else waits
-    for the device once, and returns the rounds it had to run again for tiles that found no room (0 almost always)."""
+    and in order. Runs without a host sync when the arena surely has room or room was reserved for it
+    (kernels/kv_overflow.py: how a captured graph's write runs); else waits for the device once, and returns the
+    rounds it had to run again for tiles that found no room (0 almost always)."""
     h = _check(cache, layout, tops)
     t = slots.shape[0]
     if t == 0:
@@ -183,6 +185,12 @@ def write(cache: torch.Tensor, layout: KVPageLayout, tops: torch.Tensor, overflo
     sl = slots if slots.dtype == torch.int64 and slots.is_contiguous() else slots.to(torch.int64).contiguous()
     runs = kv_overflow.device_runs(overflow, layout.head_size)
     need = runs.need_for(t)
+    if runs.take_reserved(t):
+        launch_write(cache, layout, tops, overflow, key, value, sl, need)
+        return 0
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("a page write captured in a CUDA graph needs room reserved for it first "
+                           "(KVLayer.reserve in the step's metadata builder)")
     if runs.unchecked_ok(t):
         launch_write(cache, layout, tops, overflow, key, value, sl, need)
         runs.launched_unchecked(t)
@@ -213,11 +221,11 @@ def launch_write(cache: torch.Tensor, layout: KVPageLayout, tops: torch.Tensor, 
     ks, _, smem = kernels(layout, 1, cache.device, variant)
     t, h = slots.shape[0], cache.shape[1]
     runs = kv_overflow.device_runs(overflow, layout.head_size)
-    ptr, arena = _overflow_args(overflow, cache.device)
+    ptr, ref = _overflow_args(overflow, layout, cache.device)
     span = span or (1 if t <= SPAN_TOKENS else TILE)
     ks["kv_write"]((math.ceil(t / span), h), (128,), [
-        cache, key, value, slots, tops, ptr, arena, runs.counters, overflow.arena.numel() // OVERFLOW_MIN_RUN, need,
-        t, h, key.stride(0), key.stride(1), value.stride(0), value.stride(1), int(only_needy), span], smem=smem)
+        cache, key, value, slots, tops, ptr, ref, runs.counters, need, t, h, key.stride(0), key.stride(1),
+        value.stride(0), value.stride(1), int(only_needy), span], smem=smem)
 
 
 __all__ = ["decode_attention", "launch_write", "num_splits_for", "read_tiles", "write"]

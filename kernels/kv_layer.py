@@ -40,6 +40,20 @@ class KVLayer:
 
         self.growth_rounds += kv_cuda.write(self.pages, self.layout, self.tops, self.overflow, key, value, slots)
 
+    def reserve(self, tokens: int) -> None:
+        """Room for the next write of `tokens` tokens taken before the step (0: none), so that the write runs no
+        host code: the CUDA-graph path (kernels/kv_overflow.py). The reference needs none."""
+        if self.codec is None:
+            from kernels import kv_overflow
+
+            kv_overflow.device_runs(self.overflow, self.layout.head_size).reserve(tokens)
+
+    @property
+    def reserved(self) -> int:
+        """Tokens of the next write that `reserve` has room for (0: none)."""
+        runs = self.overflow.device_runs
+        return runs.reserved if runs is not None else 0
+
     def read(self, tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(K, V) [N, H, 16, D] bf16 of these tiles (block * tiles a page + tile) as attention reads them."""
         if self.codec is not None:
@@ -59,6 +73,7 @@ class KVLayer:
 
         The first `num_decodes` sequences have one query token each (rows 0..num_decodes-1); the rest are prefill
         runs or chunks, whose lengths the caller passes as host lists when it has them (else one sync here).
+        `max_seq_len` sizes the decode's context split (the longest length a captured graph may replay).
         """
         nd = num_decodes
         if nd:

@@ -7,6 +7,10 @@ lets a write run unchecked only when the bound leaves room for that write's wors
 or the arena filling up) it waits for the top, compacts the live runs into a larger arena when room is short, checks
 that write and runs it again for any tile that found no room: rare prompts cost memory and a sync, never data.
 
+CUDA graphs: a replayed write runs no host code, so the step's metadata builder `reserve`s room for it beforehand
+(the same bound, counted before the launch), and the kernels read the arena's address and size from `ref` in device
+memory, which compaction updates: a graph captured before a compaction reads the new arena.
+
 Worst case of a write of T tokens, H heads and head size D (entries): every new value an escape, every touched run
 moved to twice its size: a run holding c entries that takes n tokens' escapes moves to at most 2 (c + n D) + 8
 entries, and the c of all touched runs sum to at most the top; a run never takes more than `max_run` entries.
@@ -41,7 +45,11 @@ class DeviceRuns:
         self._event: torch.cuda.Event | None = None
         self._since: list[int] = []  # tokens of the writes after the snapshot in flight
         self.need = torch.zeros(0, store.num_heads, 2, dtype=torch.int32, device=device)
-        self.checked = 0  # writes that waited for the device
+        self._old_need: list[torch.Tensor] = []  # captured graphs may still write into these
+        self.checked = 0  # writes (or reservations) that waited for the device
+        self.reserved = 0  # tokens of the next write, already counted in the bound (`reserve`)
+        self.ref = torch.zeros(2, dtype=torch.int64, device=device)  # the arena's address and 8-entry units
+        self._ref_of: tuple[int, int] | None = None
 
     @property
     def capacity(self) -> int:
@@ -61,6 +69,8 @@ class DeviceRuns:
     def need_for(self, tokens: int) -> torch.Tensor:
         """The writer's `need` [tokens, H, 2], all zero (the writer zeroes what it marks once a retry succeeds)."""
         if self.need.shape[0] < tokens:
+            if self.need.numel():
+                self._old_need.append(self.need)
             self.need = torch.zeros(max(tokens, 2 * self.need.shape[0]), self.store.num_heads, 2, dtype=torch.int32,
                                     device=self.counters.device)
         return self.need[:tokens]
@@ -77,6 +87,47 @@ class DeviceRuns:
             bound = self.worst(bound, tokens)
         self.bound, self._since = bound, []
 
+    def arena_ref(self) -> torch.Tensor:
+        """`ref` [address, units], updated (stream-ordered) when the store's arena has moved since the last call."""
+        arena = self.store.arena
+        now = (arena.data_ptr(), arena.numel() // OVERFLOW_MIN_RUN)
+        if now != self._ref_of:
+            if torch.cuda.is_current_stream_capturing():  # the update would be captured with a stale address
+                raise RuntimeError("the Glyd overflow arena moved during CUDA-graph capture")
+            self.ref[0].fill_(now[0])
+            self.ref[1].fill_(now[1])
+            self._ref_of = now
+        return self.ref
+
+    def reserve(self, tokens: int) -> None:
+        """Room for the next write of `tokens` tokens, counted now: the write may then run without host code (a
+        graph replay) or consume the reservation (`take_reserved`). Waits for the device only when the arena
+        would fill; `tokens` 0 drops a reservation left by a replayed step."""
+        self.reserved = 0
+        if not tokens:
+            return
+        self.refresh()
+        if self.worst(self.bound, tokens) > self.capacity:
+            self.checked += 1
+            self.wait()
+            self.make_room(tokens)
+            if self.worst(self.bound, tokens) > self.capacity:  # longer than the arena's usual headroom
+                self.make_room(tokens, extra=self.worst(self.bound, tokens) - self.bound)
+        self.arena_ref()
+        self.bound = self.worst(self.bound, tokens)
+        if self._event is None:  # a snapshot before the write: the write is counted after it
+            self._snapshot_now()
+            self._since = [tokens]
+        else:
+            self._since.append(tokens)
+        self.reserved = tokens
+
+    def take_reserved(self, tokens: int) -> bool:
+        """Whether a write of `tokens` was reserved (counted in the bound); consumes the reservation."""
+        ok = 0 < tokens <= self.reserved
+        self.reserved = 0
+        return ok
+
     def unchecked_ok(self, tokens: int) -> bool:
         self.refresh()
         return self.worst(self.bound, tokens) <= self.capacity
@@ -84,11 +135,14 @@ class DeviceRuns:
     def launched_unchecked(self, tokens: int) -> None:
         self.bound = self.worst(self.bound, tokens)
         if self._event is None:  # a snapshot of the counters after this write, read back when it lands
-            self._snapshot.copy_(self.counters, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
+            self._snapshot_now()
         else:
             self._since.append(tokens)
+
+    def _snapshot_now(self) -> None:
+        self._snapshot.copy_(self.counters, non_blocking=True)
+        self._event = torch.cuda.Event()
+        self._event.record()
 
     def wait(self, misses_expected: bool = False) -> tuple[int, int]:
         """The device's top (entries) and the tiles that found no room, waiting for them; misses are expected only
@@ -118,6 +172,7 @@ class DeviceRuns:
         self.counters[0] = top // OVERFLOW_MIN_RUN
         self.counters[1] = 0
         self.bound = top
+        self.arena_ref()
 
 
 def _no_misses(missed: int) -> None:

@@ -3,11 +3,12 @@
 The pages are the CPU backend's (same spec, same bytes; `backend_base`). Write: `do_kv_cache_update` runs the CUDA
 page writer. Read: `forward` runs decode attention on compressed pages for the batch's single decode tokens (the
 builder has vLLM put them first) and, for prefill runs and chunks, decodes their tiles to bf16 for SDPA
-(`kernels.kv_layer.KVLayer`). The writer takes overflow runs on the device and needs no host sync in a decode step,
-but the host keeps the bound that lets it run unchecked (kernels/kv_overflow.py), which a graph replay would skip, so
-the builder declares no CUDA-graph support: vLLM then runs attention eagerly between its piecewise graphs.
-`GLYD_KV_KERNELS=reference` selects this backend on the CPU build with the torch reference of the kernels, which is
-how the tests run its wiring inside the real engine.
+(`kernels.kv_layer.KVLayer`). Decode batches replay in full CUDA graphs: the writer takes overflow runs on the
+device, the builder reserves each step's room in the overflow arena before the replay (the host's bound,
+kernels/kv_overflow.py), the kernels read the arena's address from device memory, and a batch that a graph may
+replay sizes its context split for the longest context (each sequence splits its own tiles). Mixed batches run
+attention eagerly between vLLM's piecewise graphs. `GLYD_KV_KERNELS=reference` selects this backend on the CPU build
+with the torch reference of the kernels, which is how the tests run its wiring inside the real engine.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class GlydGPUMetadata:
     num_actual_tokens: int
     max_query_len: int
     query_start_loc: torch.Tensor  # int32 [S + 1]
-    max_seq_len: int
+    split_len: int  # the context length the decode launch sizes its split for (a graph's: the model's longest)
     seq_lens: torch.Tensor  # int32 [S]
     seq_lens_cpu: list[int] | None  # host copies for the prefill path (None: read from the device there)
     query_start_cpu: list[int] | None
@@ -46,11 +47,27 @@ class GlydGPUMetadata:
 
 
 class GlydGPUMetadataBuilder(AttentionMetadataBuilder[GlydGPUMetadata]):
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config: Any, kv_cache_spec: Any) -> AttentionCGSupport:
+        """Full graphs for decode batches, except where host code must run each step: check mode (reads pages
+        back) and the reference kernels (the CPU build's tests)."""
+        if settings.check_enabled(vllm_config) or settings.kernels(vllm_config) == "reference":
+            return AttentionCGSupport.NEVER
+        return cls._cudagraph_support
 
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self._init_reorder_batch_threshold(1)  # decodes first: they take the decode kernel
+        cc = vllm_config.compilation_config
+        # batches of up to this many tokens may run in a captured graph (full or piecewise): their writes get room
+        # reserved before the step, since a replay runs no host code
+        self._graph_tokens = (cc.max_cudagraph_capture_size or 0) if cc.cudagraph_mode.has_full_cudagraphs() \
+            or cc.cudagraph_mode.has_piecewise_cudagraphs() else 0
+        self._full_graphs = cc.cudagraph_mode.has_full_cudagraphs()
+        self._max_len = vllm_config.model_config.max_model_len
+        self._values_a_token = 2 * kv_cache_spec.num_kv_heads * kv_cache_spec.head_size
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> GlydGPUMetadata:
@@ -67,10 +84,27 @@ class GlydGPUMetadataBuilder(AttentionMetadataBuilder[GlydGPUMetadata]):
         sl = getattr(m, "seq_lens_cpu", None)
         if sl is None:
             sl = getattr(m, "seq_lens_cpu_upper_bound", None)
-        return GlydGPUMetadata(m.num_actual_tokens, m.max_query_len, m.query_start_loc, m.max_seq_len, m.seq_lens,
+        tokens = m.slot_mapping.shape[0]
+        replayable = tokens <= self._graph_tokens
+        self._reserve(tokens if replayable else 0, m.num_actual_tokens)
+        # a full graph of a decode batch keeps the split count it was captured with, for every later length
+        split_len = self._max_len if replayable and self._full_graphs and num_decodes == n else m.max_seq_len
+        return GlydGPUMetadata(m.num_actual_tokens, m.max_query_len, m.query_start_loc, split_len, m.seq_lens,
                                sl.tolist() if host and sl is not None else None,
                                qsl.tolist() if host and qsl is not None else None,
                                m.block_table_tensor, m.slot_mapping, num_decodes)
+
+    def _reserve(self, tokens: int, actual: int) -> None:
+        """Each layer's overflow room for this step's write (0: the write checks for itself), and a reserved write's
+        values counted here, since a replayed write runs no host code. Layers not yet written have nothing to do."""
+        for name in self.layer_names:
+            st = state.LAYERS.get(name)
+            if st is None:
+                continue
+            kv = st.extra["kernels"]
+            kv.reserve(tokens)
+            if kv.reserved:
+                st.codec.stats.values += self._values_a_token * actual
 
 
 class GlydGPUAttentionBackend(GlydBackendBase, AttentionBackend):
@@ -148,8 +182,9 @@ class GlydGPUAttentionImpl(AttentionImpl):
         n = slot_mapping.shape[0]
         key, value = key[:n], value[:n]
         kv = st.extra["kernels"]
+        counted = kv.reserved  # a reserved write's values were counted by the builder
         kv.write(key, value, slot_mapping)
-        if kv.codec is None:  # the CUDA writer counts nothing on the host
+        if kv.codec is None and not counted:  # the CUDA writer counts nothing on the host
             st.codec.stats.values += 2 * key.numel()
         if st.shadow is not None:
             state.write_shadow(st, key, value, slot_mapping)
@@ -169,7 +204,7 @@ class GlydGPUAttentionImpl(AttentionImpl):
         num_reqs = md.seq_lens.shape[0]
         out = output[:n].view(n, self.num_heads, self.head_size)
         kv.attend(query[:n].view(n, self.num_heads, self.head_size), out, md.block_table[:num_reqs], md.seq_lens,
-                  md.query_start_loc, md.max_seq_len, self.scale, md.num_decodes, md.seq_lens_cpu,
+                  md.query_start_loc, md.split_len, self.scale, md.num_decodes, md.seq_lens_cpu,
                   md.query_start_cpu)
         if 0 < md.num_decodes < num_reqs:
             state.STATS.split_batches += 1

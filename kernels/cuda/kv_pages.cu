@@ -269,11 +269,14 @@ __device__ __forceinline__ Escape locate(const u8* tile, u32 e, int kind) {
 
 // Entry i of a kind: the page's list (K from its start, V from its end), then the tile's overflow run.
 template <bool SH = false>
+// `arena_ref` holds the arena's address and size (in 8-entry units) in device memory, so that a CUDA graph captured
+// before the host compacts the arena into a new one reads the new one.
 __device__ __forceinline__ u32 entry_at(const u8* tile, int i, int n_in, int kind, const int* ovf_ptr,
-                                        const u16* arena, long gtile, int h, int num_kv_heads) {
+                                        const long long* arena_ref, long gtile, int h, int num_kv_heads) {
   if (i < n_in) return ld2<SH>(tile + LIST + 2 * (kind ? RESERVE - 1 - i : i));
   const int p = __ldg(ovf_ptr + (gtile * num_kv_heads + h) * 2 + kind);
   if (p < 0 || i - n_in >= (8 << (p & 15))) return 0u;  // only an unwritten tile's garbage counts get here
+  const u16* arena = reinterpret_cast<const u16*>(__ldg(arena_ref));
   return __ldg(arena + (long)(p >> 4) * 8 + (i - n_in));
 }
 
@@ -339,15 +342,17 @@ struct Smem {
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) kv_decode_attention(
     const u16* __restrict__ query, u16* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml,
     const u8* __restrict__ cache, const u8* __restrict__ tops, const int* __restrict__ ovf_ptr,
-    const u16* __restrict__ arena, const int* __restrict__ block_table, const int* __restrict__ seq_lens,
+    const long long* __restrict__ arena_ref, const int* __restrict__ block_table, const int* __restrict__ seq_lens,
     float scale_log2, int stride_q0, int stride_q1, int stride_o0, int stride_o1, int bt_stride, int num_kv_heads,
-    int tiles_per_split, int num_splits) {
+    int num_splits) {
   extern __shared__ __align__(16) u8 smem_raw[];
   Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
   const int split = blockIdx.x, h = blockIdx.y, seq = blockIdx.z;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
   const int seq_len = seq_lens[seq];
   const int n_tiles = (seq_len + 15) >> 4;
+  // each sequence's splits share its own tiles: any split count serves any length (a captured graph fixes it)
+  const int tiles_per_split = (n_tiles + num_splits - 1) / num_splits;
   const int t_begin = split * tiles_per_split;
   const int t_end = min(n_tiles, t_begin + tiles_per_split);
 
@@ -462,7 +467,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) kv_decode_a
     const int nk_in = cb.tr.y & 0xFFFF, nv_in = cb.tr.y >> 16;
     u32 k_vals = 0u, k_where = 0xFFu;  // this lane's K entry: true | -decoded << 16; token | channel << 8
     if (SKIP_ESCAPES != 1 && SKIP_ESCAPES != 3 && lane < nk_tot) {
-      const u32 e = lane < nk_in ? cb.ek : entry_at<SH>(tp, lane, nk_in, 0, ovf_ptr, arena, gtile, h, num_kv_heads);
+      const u32 e = lane < nk_in ? cb.ek : entry_at<SH>(tp, lane, nk_in, 0, ovf_ptr, arena_ref, gtile, h, num_kv_heads);
       const Escape x = locate<SH>(tp, e, 0);
       k_vals = x.truth | ((x.wrong ^ 0x8000u) << 16);  // the decoded value enters negated
       k_where = u32(x.t) | (u32(x.d) << 8);
@@ -470,7 +475,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) kv_decode_a
     int v_d = 0, v_t = 0;
     float v_delta = 0.f;
     if (SKIP_ESCAPES < 2 && lane < nv_tot) {  // this lane's V entry, located now: its loads overlap the K work
-      const u32 e = lane < nv_in ? cb.ev : entry_at<SH>(tp, lane, nv_in, 1, ovf_ptr, arena, gtile, h, num_kv_heads);
+      const u32 e = lane < nv_in ? cb.ev : entry_at<SH>(tp, lane, nv_in, 1, ovf_ptr, arena_ref, gtile, h, num_kv_heads);
       const Escape x = locate<SH>(tp, e, 1);
       v_d = x.d;
       v_t = x.t;
@@ -500,7 +505,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) kv_decode_a
           vals = 0u;
           where = 0xFFu;
           if (i < nk_tot) {
-            const Escape x = locate<SH>(tp, entry_at<SH>(tp, i, nk_in, 0, ovf_ptr, arena, gtile, h, num_kv_heads), 0);
+            const Escape x = locate<SH>(tp, entry_at<SH>(tp, i, nk_in, 0, ovf_ptr, arena_ref, gtile, h, num_kv_heads), 0);
             vals = x.truth | ((x.wrong ^ 0x8000u) << 16);
             where = u32(x.t) | (u32(x.d) << 8);
           }
@@ -607,7 +612,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) kv_decode_a
           t = v_t;
           delta = v_delta;
         } else if (ok) {
-          const Escape x = locate<SH>(tp, entry_at<SH>(tp, i, nv_in, 1, ovf_ptr, arena, gtile, h, num_kv_heads), 1);
+          const Escape x = locate<SH>(tp, entry_at<SH>(tp, i, nv_in, 1, ovf_ptr, arena_ref, gtile, h, num_kv_heads), 1);
           key = x.d;
           t = x.t;
           delta = bf(x.truth) - bf(x.wrong) * sm.vsc[x.d];
@@ -634,9 +639,9 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) kv_decode_a
     for (int r = 0; r < 2; ++r) {
       pk[r] = pv[r] = 0u;
       const int i = 32 * r + lane;
-      if (i < nk_tot) ok &= patch_of<true>(sp, entry_at<true>(sp, i, nk_in, 0, ovf_ptr, arena, gtile, h, num_kv_heads),
+      if (i < nk_tot) ok &= patch_of<true>(sp, entry_at<true>(sp, i, nk_in, 0, ovf_ptr, arena_ref, gtile, h, num_kv_heads),
                                          0, sm.tops, pk[r]);
-      if (i < nv_tot) ok &= patch_of<true>(sp, entry_at<true>(sp, i, nv_in, 1, ovf_ptr, arena, gtile, h, num_kv_heads),
+      if (i < nv_tot) ok &= patch_of<true>(sp, entry_at<true>(sp, i, nv_in, 1, ovf_ptr, arena_ref, gtile, h, num_kv_heads),
                                          1, sm.tops, pv[r]);
     }
     if (!__all_sync(FULL, ok)) return false;
@@ -790,7 +795,7 @@ extern "C" __global__ void kv_merge(u16* __restrict__ out, const float* __restri
 // ================================================================================================================
 extern "C" __global__ void __launch_bounds__(32) kv_read_tiles(
     u16* __restrict__ out_k, u16* __restrict__ out_v, const u8* __restrict__ cache, const u8* __restrict__ tops,
-    const int* __restrict__ ovf_ptr, const u16* __restrict__ arena, const long long* __restrict__ gtiles,
+    const int* __restrict__ ovf_ptr, const long long* __restrict__ arena_ref, const long long* __restrict__ gtiles,
     int num_kv_heads) {
   const int n = blockIdx.x, h = blockIdx.y, lane = threadIdx.x, g = lane >> 2, tig = lane & 3;
   const long gtile = gtiles[n];
@@ -822,7 +827,7 @@ extern "C" __global__ void __launch_bounds__(32) kv_read_tiles(
     __syncwarp();
     const int n_tot = min(16 * D, int(kind ? tr.x >> 16 : tr.x & 0xFFFF)), n_in = kind ? tr.y >> 16 : tr.y & 0xFFFF;
     for (int i = lane; i < n_tot; i += 32) {
-      const Escape x = locate(tp, entry_at(tp, i, n_in, kind, ovf_ptr, arena, gtile, h, num_kv_heads), kind);
+      const Escape x = locate(tp, entry_at(tp, i, n_in, kind, ovf_ptr, arena_ref, gtile, h, num_kv_heads), kind);
       dst[x.t * D + x.d] = u16(x.truth);
     }
   }
@@ -1080,10 +1085,12 @@ __device__ void write_run(WSmem& sm, u8* __restrict__ cache, const u16* __restri
 extern "C" __global__ void __launch_bounds__(WTHREADS, WMIN_BLOCKS) kv_write(
     u8* __restrict__ cache, const u16* __restrict__ key, const u16* __restrict__ value,
     const long long* __restrict__ slots, const u8* __restrict__ tops, int* __restrict__ ovf_ptr,
-    u16* __restrict__ arena, int* __restrict__ alloc, int arena_units, int* __restrict__ need, int num_tokens,
+    const long long* __restrict__ arena_ref, int* __restrict__ alloc, int* __restrict__ need, int num_tokens,
     int num_kv_heads, int k_stride0, int k_stride1, int v_stride0, int v_stride1, int only_needy, int span) {
   extern __shared__ __align__(16) u8 wsmem_raw[];
   WSmem& sm = *reinterpret_cast<WSmem*>(wsmem_raw);
+  u16* const arena = reinterpret_cast<u16*>(arena_ref[0]);  // read here, not baked into a captured launch
+  const int arena_units = int(arena_ref[1]);
   const int h = blockIdx.y, first = span * blockIdx.x;
   if (threadIdx.x < 32) {  // which of the block's `span` (1..16) tokens start a tile run
     const int i = first + threadIdx.x;
