@@ -67,7 +67,7 @@ def step_times(code: Code, batch: int, heads: int, q_heads: int, scale: float, n
     result: dict[str, float] = {"batch": batch, "splits_eager": kv_cuda.num_splits_for(batch, heads, CONTEXT),
                                 "splits_graph": kv_cuda.num_splits_for(batch, heads, GRAPH_SPLIT_LEN)}
     for name, fn in (("eager", lambda: layers(CONTEXT)), ("graph", graph_step)):
-        for _ in range(3):
+        for _ in range(10):  # arenas grown to the steps' needs: the timed steps are the steady state
             fn()
         torch.cuda.synchronize()
         issue: list[float] = []

@@ -2,10 +2,11 @@
 
 The writer takes a run for a tile's escapes past its list with one atomic add on the arena's top and moves a full run
 to one twice the size (kernels/cuda/kv_pages.cu). The host never waits for that top on the common path: it keeps an
-upper bound of it — the last snapshot it copied back without waiting, plus the worst case of each write since — and
-lets a write run unchecked only when the bound leaves room for that write's worst case. Otherwise (a long prefill,
-or the arena filling up) it waits for the top, compacts the live runs into a larger arena when room is short, checks
-that write and runs it again for any tile that found no room: rare prompts cost memory and a sync, never data.
+upper bound of it — the last snapshot it copied back without waiting (one copy of every store's counters on the
+device, `CounterBank`), plus the worst case of each write since — and lets a write run unchecked only when the bound
+leaves room for that write's worst case. Otherwise (a long prefill, or the arena filling up) it waits for the top,
+compacts the live runs into a larger arena when room is short, checks that write and runs it again for any tile
+that found no room: rare prompts cost memory and a sync, never data.
 
 CUDA graphs: a replayed write runs no host code, so the step's metadata builder `reserve`s room for it beforehand
 (the same bound, counted before the launch), and the kernels read the arena's address and size from `ref` in device
@@ -18,6 +19,8 @@ entries, and the c of all touched runs sum to at most the top; a run never takes
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from glyd_engine.format.kv_page import OVERFLOW_MIN_RUN, TILE, OverflowStore
@@ -25,10 +28,65 @@ from glyd_engine.format.kv_page import OVERFLOW_MIN_RUN, TILE, OverflowStore
 HEADROOM_TOKENS = 256  # the arena keeps room for two writes of this many tokens in flight (decode steps of 256
 LIVE_HEADROOM = 32  # sequences, one ahead as with async scheduling) beyond this many times its live runs
 MAX_UNITS = 1 << 27  # run offsets are 27 bits of 8-entry units in the run pointers
+BANK_SLOTS = 4096  # overflow stores (attention layers) one device's counter bank holds
 
 
 class ArenaFullError(RuntimeError):
     """A write ran without a check and found no room: the bound was wrong (a bug), and those tiles lost escapes."""
+
+
+class CounterBank:
+    """The writer counters of every store on one device in one tensor, so that one copy snapshots them all: a step
+    of 36 layers takes one copy and one event, not 36 (each a stall between kernels on the stream)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.counters = torch.zeros(BANK_SLOTS, 2, dtype=torch.int32, device=device)
+        self.mirror = torch.zeros(BANK_SLOTS, 2, dtype=torch.int32, pin_memory=True)
+        self.stores: list[weakref.ref[DeviceRuns] | None] = []
+        self.event: torch.cuda.Event | None = None
+        self.epoch = 0  # the snapshot in flight (or the last one)
+        self.landed: list[list[int]] = []  # the last snapshot that landed: [top, missed] a slot
+        self.landed_epoch = 0
+
+    def add(self, runs: DeviceRuns) -> int:
+        """A free slot for `runs` (a dead store's slot is reused; its graphs died with its layer)."""
+        for i, ref in enumerate(self.stores):
+            if ref is None or ref() is None:
+                self.stores[i] = weakref.ref(runs)
+                return i
+        if len(self.stores) == BANK_SLOTS:
+            raise RuntimeError(f"more than {BANK_SLOTS} Glyd overflow stores on one device")
+        self.stores.append(weakref.ref(runs))
+        return len(self.stores) - 1
+
+    def snapshot(self) -> int:
+        """Copy every slot's counters back (non-blocking) unless a copy is in flight; the epoch in flight."""
+        if self.event is None:
+            n = len(self.stores)
+            self.mirror[:n].copy_(self.counters[:n], non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+            self.epoch += 1
+        return self.epoch
+
+    def land(self) -> None:
+        """If the copy in flight has landed, keep its values: each store takes its own at its next refresh."""
+        if self.event is None or not self.event.query():
+            return
+        self.event = None
+        self.landed = self.mirror[: len(self.stores)].tolist()
+        self.landed_epoch = self.epoch
+
+
+_BANKS: dict[int, CounterBank] = {}
+
+
+def _bank(device: torch.device) -> CounterBank:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    bank = _BANKS.get(index)
+    if bank is None:
+        bank = _BANKS[index] = CounterBank(torch.device("cuda", index))
+    return bank
 
 
 class DeviceRuns:
@@ -38,12 +96,16 @@ class DeviceRuns:
         self.store = store
         self.head_size = head_size
         device = store.ptr.device
-        self.counters = torch.zeros(2, dtype=torch.int32, device=device)  # top (8-entry units), writes with no room
+        self.bank = _bank(device)
+        self.slot = self.bank.add(self)
+        self.counters = self.bank.counters[self.slot]  # top (8-entry units), writes with no room
         self.counters[0] = -(-store._top // OVERFLOW_MIN_RUN)
+        self.counters[1] = 0
         self.bound = store._top  # entries: an upper bound of the device's top
-        self._snapshot = torch.zeros(2, dtype=torch.int32, pin_memory=True)
-        self._event: torch.cuda.Event | None = None
-        self._since: list[int] = []  # tokens of the writes after the snapshot in flight
+        self._first_epoch = self.bank.epoch + 1  # snapshots issued before this store's slot was set say nothing of it
+        self._applied = 0  # the last landed snapshot this store took
+        self._epoch = 0  # the bank's snapshot that `_since` counts from (0: none)
+        self._since: list[int] = []  # tokens of this store's writes after that snapshot
         self.need = torch.zeros(0, store.num_heads, 2, dtype=torch.int32, device=device)
         self._old_need: list[torch.Tensor] = []  # captured graphs may still write into these
         self.checked = 0  # writes (or reservations) that waited for the device
@@ -76,16 +138,48 @@ class DeviceRuns:
         return self.need[:tokens]
 
     def refresh(self) -> None:
-        """Take the snapshot in flight if the device has written it (no waiting)."""
-        if self._event is None or not self._event.query():
+        """Take the bank's last landed snapshot, landing the one in flight if the device has written it (no
+        waiting). Every count of a write refreshes first, so a snapshot is never taken after a later write.
+
+        A snapshot taken at point P of the stream gives the top then, plus the worst case of this store's writes
+        after P: those in `_since` when it counts from P; none when it counts from an older snapshot or from none
+        (a write after P's issue counts from P)."""
+        bank = self.bank
+        bank.land()
+        epoch = bank.landed_epoch
+        if epoch <= self._applied:
             return
-        top, missed = (int(x) for x in self._snapshot.tolist())
-        self._event = None
+        self._applied = epoch
+        if epoch < self._first_epoch or self.slot >= len(bank.landed):  # another (dead) store's values, or zeros
+            if self._epoch and self._epoch <= epoch:
+                self._epoch, self._since = 0, []
+            return
+        top, missed = bank.landed[self.slot]
         _no_misses(missed)
         bound = top * OVERFLOW_MIN_RUN
-        for tokens in self._since:
-            bound = self.worst(bound, tokens)
-        self.bound, self._since = bound, []
+        if self._epoch == epoch:
+            for tokens in self._since:
+                bound = self.worst(bound, tokens)
+        elif self._epoch > epoch:  # counts from a newer snapshot in flight: keep waiting for that one
+            return
+        self._epoch, self._since = 0, []
+        self.bound = min(self.bound, bound)
+
+    def _count(self, tokens: int, launched: bool) -> None:
+        """Add a write to the bound, and to the writes after the bank's snapshot in flight. With none in flight, one
+        is taken only when two more such writes would not fit (the write, if already launched, is before it): while
+        room is ample the bound needs no tightening, and each snapshot costs a copy on the stream."""
+        self.bound = self.worst(self.bound, tokens)
+        if self.bank.event is None:
+            if self.worst(self.worst(self.bound, tokens), tokens) <= self.capacity:
+                self._epoch, self._since = 0, []  # a later snapshot is taken after this write
+                return
+            self._epoch = self.bank.snapshot()
+            self._since = [] if launched else [tokens]
+            return
+        if self._epoch != self.bank.epoch:  # this store's earlier writes were all before that snapshot
+            self._epoch, self._since = self.bank.epoch, []
+        self._since.append(tokens)
 
     def arena_ref(self) -> torch.Tensor:
         """`ref` [address, units], updated (stream-ordered) when the store's arena has moved since the last call."""
@@ -114,12 +208,7 @@ class DeviceRuns:
             if self.worst(self.bound, tokens) > self.capacity:  # longer than the arena's usual headroom
                 self.make_room(tokens, extra=self.worst(self.bound, tokens) - self.bound)
         self.arena_ref()
-        self.bound = self.worst(self.bound, tokens)
-        if self._event is None:  # a snapshot before the write: the write is counted after it
-            self._snapshot_now()
-            self._since = [tokens]
-        else:
-            self._since.append(tokens)
+        self._count(tokens, launched=False)
         self.reserved = tokens
 
     def take_reserved(self, tokens: int) -> bool:
@@ -133,24 +222,18 @@ class DeviceRuns:
         return self.worst(self.bound, tokens) <= self.capacity
 
     def launched_unchecked(self, tokens: int) -> None:
-        self.bound = self.worst(self.bound, tokens)
-        if self._event is None:  # a snapshot of the counters after this write, read back when it lands
-            self._snapshot_now()
-        else:
-            self._since.append(tokens)
-
-    def _snapshot_now(self) -> None:
-        self._snapshot.copy_(self.counters, non_blocking=True)
-        self._event = torch.cuda.Event()
-        self._event.record()
+        self._count(tokens, launched=True)
 
     def wait(self, misses_expected: bool = False) -> tuple[int, int]:
         """The device's top (entries) and the tiles that found no room, waiting for them; misses are expected only
         after a checked write."""
-        top, missed = (int(x) for x in self.counters.tolist())
+        top, missed = (int(x) for x in self.counters.tolist())  # the stream has run up to here
+        # the bank's copy in flight has landed with it (it predates any checked write, so holds no misses of one):
+        # taken here, before the exact top replaces the bound, so that it is never taken after later writes
+        self.refresh()
         if not misses_expected:
             _no_misses(missed)
-        self._event, self._since = None, []
+        self._epoch, self._since = 0, []
         self.bound = top * OVERFLOW_MIN_RUN
         return self.bound, missed
 
@@ -189,4 +272,4 @@ def device_runs(store: OverflowStore, head_size: int) -> DeviceRuns:
     return runs
 
 
-__all__ = ["ArenaFullError", "DeviceRuns", "device_runs"]
+__all__ = ["ArenaFullError", "CounterBank", "DeviceRuns", "device_runs"]

@@ -138,10 +138,19 @@ class Kernel:
                 raise TypeError(f"kernel argument of type {type(a).__name__}")
         g = (*grid, 1, 1)[:3]
         b = (*block, 1, 1)[:3]
-        stream = driver.CUstream(torch.cuda.current_stream().cuda_stream)
+        stream = driver.CUstream(_current_stream(torch))
         (err,) = driver.cuLaunchKernel(self.function, *g, *b, smem, stream, (tuple(vals), tuple(types)), 0)
         if int(err) != 0:
             raise KernelBuildError(f"launching {self.name} failed: {err}")
+
+
+def _current_stream(torch: object) -> int:
+    """The current device's current stream (a capture's stream inside a CUDA graph): torch's raw-stream call, as
+    Triton's launcher uses, which skips `torch.cuda.current_stream`'s device resolution (half a launch's host time)."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is None:
+        return torch.cuda.current_stream().cuda_stream
+    return raw(torch._C._cuda_getDevice())
 
 
 def device_arch(device: int | None = None) -> str:

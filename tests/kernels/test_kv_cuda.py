@@ -369,3 +369,31 @@ def test_decode_steps_replayed_from_a_cuda_graph_equal_eager_steps() -> None:
     idx = torch.tensor([pos[int(x)] for x in slots])
     v_all = torch.cat([torch.cat(x) for x in vs])
     check_tokens(graphed.pages, lay, graphed.tops, graphed.overflow, slots, k_all[idx], v_all[idx])
+
+
+def test_a_store_ignores_the_bank_snapshot_taken_before_it_had_its_slot() -> None:
+    """The counter bank copies every store's counters in one go. A store made while a copy is in flight (in a dead
+    store's slot or a new one) must not take that copy's value for its slot (a dead store's, or zeros) as its top:
+    its bound stays above its real top."""
+    import gc
+
+    from kernels import kv_overflow
+
+    d, h = 64, 2
+    dead = kp.OverflowStore(4, h, device=DEV)
+    runs = kv_overflow.device_runs(dead, d)
+    torch.cuda._sleep(1 << 26)  # the bank's copy below lands only after this
+    runs.bank.land()
+    runs.bank.snapshot()  # a copy of the bank in flight
+    runs.launched_unchecked(1)
+    del runs, dead
+    gc.collect()
+    store = kp.OverflowStore(64, h, device=DEV)
+    store.reserve_entries(torch.arange(64, device=DEV), torch.zeros(64, dtype=torch.int64, device=DEV), 0,
+                          torch.full((64,), 200, device=DEV))
+    fresh = kv_overflow.device_runs(store, d)
+    assert fresh.bound == store._top > 0
+    fresh.launched_unchecked(1)  # counted against the copy in flight, which predates the slot's new values
+    torch.cuda.synchronize()
+    fresh.refresh()
+    assert fresh.bank.event is None and fresh.bound >= store._top
