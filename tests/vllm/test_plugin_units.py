@@ -335,3 +335,67 @@ def test_weight_layout_by_setting_shape_and_device(monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv(settings.ENV_WEIGHT_LAYOUT, "tiles")
     with pytest.raises(UnsupportedModelError, match="GLYD_WEIGHT_LAYOUT='tiles'.*auto, resident, fragment"):
         weight_layout(cpu, (576, 576))
+
+
+class _RecordingLayer:
+    """Records the builder's reservations (the CUDA layer's are tested with the kernels on a GPU:
+    tests/kernels/test_kv_cuda.py)."""
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+        self.reserved = 0
+        self.codec = None
+
+    def reserve(self, tokens: int) -> None:
+        self.calls.append(tokens)
+        self.reserved = tokens
+
+
+def _step(query_lens: list[int], max_seq_len: int) -> SimpleNamespace:
+    qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    n, t = len(query_lens), int(qsl[-1])
+    lens = torch.full((n,), max_seq_len, dtype=torch.int32)
+    return SimpleNamespace(max_query_len=max(query_lens), num_reqs=n, num_actual_tokens=t, query_start_loc_cpu=qsl,
+                           query_start_loc=qsl, seq_lens=lens, seq_lens_cpu=lens, max_seq_len=max_seq_len,
+                           block_table_tensor=torch.zeros(n, 4, dtype=torch.int32), slot_mapping=torch.arange(t))
+
+
+def test_gpu_builder_graph_support_and_step_reservations(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU backend's builder: full CUDA graphs for decode steps with the CUDA kernels, none where host code runs
+    each step (check mode, the reference kernels). Before each step of up to vLLM's largest capture size it reserves
+    each layer's overflow room for the write and counts the values written (a replay runs no host code); a decode
+    step that a full graph may replay sizes its context split for the model's longest context."""
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.attention.backend import AttentionCGSupport
+
+    from glyd_engine.vllm_plugin import gpu_backend, state
+
+    builder_cls = gpu_backend.GlydGPUMetadataBuilder
+    spec = SimpleNamespace(num_kv_heads=3, head_size=64)
+    for section, want in (({"kernels": "cuda"}, AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE),
+                          ({"kernels": "cuda", "check": True}, AttentionCGSupport.NEVER),
+                          ({"kernels": "reference"}, AttentionCGSupport.NEVER)):
+        assert builder_cls.get_cudagraph_support(_config(additional_config={"glyd": section}), spec) == want
+
+    layers = {f"model.layers.{i}.self_attn.attn": _RecordingLayer() for i in range(2)}
+    stats = {name: SimpleNamespace(values=0) for name in layers}
+    monkeypatch.setattr(state, "LAYERS", {name: SimpleNamespace(extra={"kernels": kv}, codec=SimpleNamespace(
+        stats=stats[name])) for name, kv in layers.items()})
+
+    def builder(mode: CUDAGraphMode) -> gpu_backend.GlydGPUMetadataBuilder:
+        cfg = _config(compilation_config=SimpleNamespace(cudagraph_mode=mode, max_cudagraph_capture_size=8))
+        cfg.model_config.max_model_len = 4096
+        return builder_cls(spec, [*layers, "model.layers.2.self_attn.attn"], cfg, torch.device("cpu"))
+
+    full = builder(CUDAGraphMode.FULL_AND_PIECEWISE)
+    md = full.build(0, _step([1, 1, 1, 1], 100))  # a decode step a full graph may replay
+    assert md.num_decodes == 4 and md.split_len == 4096
+    assert all(kv.calls == [4] for kv in layers.values())
+    assert all(s.values == 2 * 3 * 64 * 4 for s in stats.values())
+    md = full.build(0, _step([1, 1, 5], 100))  # mixed: attention from Python, the write still reserved
+    assert md.num_decodes == 2 and md.split_len == 100 and md.seq_lens_cpu == [100] * 3
+    assert all(kv.calls[-1] == 7 for kv in layers.values())
+    md = full.build(0, _step([1] * 9, 100))  # past the largest capture size: the write checks for itself
+    assert md.split_len == 100 and all(kv.calls[-1] == 0 for kv in layers.values())
+    md = builder(CUDAGraphMode.NONE).build(0, _step([1, 1], 100))  # no graphs at all
+    assert md.split_len == 100 and all(kv.calls[-1] == 0 for kv in layers.values())
