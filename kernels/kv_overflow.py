@@ -60,13 +60,19 @@ class CounterBank:
         return len(self.stores) - 1
 
     def snapshot(self) -> int:
-        """Copy every slot's counters back (non-blocking) unless a copy is in flight; the epoch in flight."""
+        """Copy every slot's counters back (non-blocking) unless a copy is in flight; the epoch in flight. A store
+        with a reserved write not yet launched counts it after this copy (it runs after it)."""
         if self.event is None:
             n = len(self.stores)
             self.mirror[:n].copy_(self.counters[:n], non_blocking=True)
             self.event = torch.cuda.Event()
             self.event.record()
             self.epoch += 1
+            for ref in self.stores:
+                runs = ref() if ref is not None else None
+                if runs is not None and runs.reserved:
+                    runs.apply_landed()  # the landed copy first, with the writes counted against it
+                    runs._epoch, runs._since = self.epoch, [runs.reserved]
         return self.epoch
 
     def land(self) -> None:
@@ -144,8 +150,12 @@ class DeviceRuns:
         A snapshot taken at point P of the stream gives the top then, plus the worst case of this store's writes
         after P: those in `_since` when it counts from P; none when it counts from an older snapshot or from none
         (a write after P's issue counts from P)."""
+        self.bank.land()
+        self.apply_landed()
+
+    def apply_landed(self) -> None:
+        """The bank's last landed copy into this store's bound (once), without landing the one in flight."""
         bank = self.bank
-        bank.land()
         epoch = bank.landed_epoch
         if epoch <= self._applied:
             return

@@ -397,3 +397,39 @@ def test_a_store_ignores_the_bank_snapshot_taken_before_it_had_its_slot() -> Non
     torch.cuda.synchronize()
     fresh.refresh()
     assert fresh.bank.event is None and fresh.bound >= store._top
+
+
+def test_a_reserved_write_counts_after_a_bank_copy_taken_before_it_runs() -> None:
+    """The builder reserves a step's write before the step; another store may copy the bank back before that write
+    runs. The copy must count the reserved write as coming after it: the store's bound stays above its top once the
+    write has run and the copy has landed."""
+    from kernels import kv_cuda, kv_overflow
+
+    d, h, block, n = 64, 2, 16, 64
+    g = torch.Generator().manual_seed(17)
+    lay = kp.KVPageLayout(d, block, 4, 3)  # a short list: the writes take overflow runs
+    tops = torch.randint(110, 140, (2, h, d), generator=g).to(torch.uint8).to(DEV)
+    wild = lambda: (torch.randn(n, h, d, generator=g) * torch.exp2(torch.randint(-40, 40, (n, h, d), generator=g)  # noqa: E731
+                                                                   .float())).to(torch.bfloat16).to(DEV)
+    stores = [(torch.zeros(2 * n // block, h, lay.page_bytes, dtype=torch.uint8, device=DEV),
+               kp.OverflowStore(2 * n // block, h, device=DEV)) for _ in range(2)]
+    first, second = torch.arange(n, device=DEV), torch.arange(n, 2 * n, device=DEV)
+    for cache, ovf in stores:
+        kv_cuda.write(cache, lay, tops, ovf, wild(), wild(), first)
+    (cache_x, ovf_x), (_, ovf_y) = stores
+    rx, ry = kv_overflow.device_runs(ovf_x, d), kv_overflow.device_runs(ovf_y, d)
+    torch.cuda.synchronize()
+    rx.reserve(n)  # the builder's reservation for x's next write
+    torch.cuda.synchronize()
+    ry.refresh()  # whatever copy was in flight has landed
+    assert ry.bank.event is None
+    ry.bank.snapshot()  # another store's copy, after the reservation and before x's write
+    torch.cuda.synchronize()
+    ry.refresh()
+    top_before = int(rx.counters[0])
+    kv_cuda.write(cache_x, lay, tops, ovf_x, wild(), wild(), second)  # takes the reservation: no count, no check
+    torch.cuda.synchronize()
+    rx.refresh()
+    top = int(rx.counters[0]) * kp.OVERFLOW_MIN_RUN
+    assert int(rx.counters[0]) > top_before and top <= rx.bound <= rx.capacity, (top, rx.bound)
+    assert int(rx.counters[1]) == 0
