@@ -245,7 +245,9 @@ class DeviceRuns:
             _no_misses(missed)
         self._epoch, self._since = 0, []
         self.bound = top * OVERFLOW_MIN_RUN
-        return self.bound, missed
+        if self.reserved:  # a reserved write not launched yet runs after this top: it stays counted
+            self.bound = self.worst(self.bound, self.reserved)
+        return top * OVERFLOW_MIN_RUN, missed
 
     def make_room(self, tokens: int, extra: int = 0) -> None:
         """After `wait`: compact into a larger arena if a write of `tokens` (bounded by HEADROOM_TOKENS) and `extra`
@@ -259,9 +261,16 @@ class DeviceRuns:
         target = max(self.worst(live, min(tokens, HEADROOM_TOKENS)),
                      LIVE_HEADROOM * live + 4 * self.worst(0, HEADROOM_TOKENS))
         target += extra
-        if -(-target // OVERFLOW_MIN_RUN) > MAX_UNITS:
-            raise MemoryError(f"the Glyd overflow arena would pass {MAX_UNITS * OVERFLOW_MIN_RUN} entries")
-        top = self.store.compact(target)
+        try:
+            if -(-target // OVERFLOW_MIN_RUN) > MAX_UNITS:
+                raise MemoryError(f"the Glyd overflow arena would pass {MAX_UNITS * OVERFLOW_MIN_RUN} entries "
+                                  "(nearly every value of this cache an escape)")
+            top = self.store.compact(target)
+        except BaseException:
+            # misses `wait` reported belong to this failure (the write stays incomplete), not to a wrong bound: the
+            # next snapshot must not report them as an ArenaFullError
+            self.counters[1] = 0
+            raise
         self.counters[0] = top // OVERFLOW_MIN_RUN
         self.counters[1] = 0
         self.bound = top

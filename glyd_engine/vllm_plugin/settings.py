@@ -132,6 +132,9 @@ def unsupported(vllm_config: Any, mode: str = "lossless") -> list[str]:
                            ("decode_context_parallel_size", "decode context")):
             if int(getattr(par, attr, 1) or 1) > 1:
                 why.append(f"{name} parallel size {getattr(par, attr)} > 1 (run on one device)")
+        if getattr(par, "enable_dbo", False) or int(getattr(par, "ubatch_size", 1) or 1) > 1:
+            # the GPU page writer's overflow room is reserved once a step, for one batch
+            why.append("micro-batching is on (drop --enable-dbo / --ubatch-size)")
     if getattr(vllm_config, "speculative_config", None) is not None:
         why.append("speculative decoding is on (drop --speculative-config)")
     if getattr(vllm_config, "kv_transfer_config", None) is not None:

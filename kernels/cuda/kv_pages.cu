@@ -268,9 +268,9 @@ __device__ __forceinline__ Escape locate(const u8* tile, u32 e, int kind) {
 }
 
 // Entry i of a kind: the page's list (K from its start, V from its end), then the tile's overflow run.
-template <bool SH = false>
 // `arena_ref` holds the arena's address and size (in 8-entry units) in device memory, so that a CUDA graph captured
 // before the host compacts the arena into a new one reads the new one.
+template <bool SH = false>
 __device__ __forceinline__ u32 entry_at(const u8* tile, int i, int n_in, int kind, const int* ovf_ptr,
                                         const long long* arena_ref, long gtile, int h, int num_kv_heads) {
   if (i < n_in) return ld2<SH>(tile + LIST + 2 * (kind ? RESERVE - 1 - i : i));

@@ -433,3 +433,42 @@ def test_a_reserved_write_counts_after_a_bank_copy_taken_before_it_runs() -> Non
     top = int(rx.counters[0]) * kp.OVERFLOW_MIN_RUN
     assert int(rx.counters[0]) > top_before and top <= rx.bound <= rx.capacity, (top, rx.bound)
     assert int(rx.counters[1]) == 0
+
+
+def test_a_reservation_stays_counted_when_the_host_waits_for_the_top() -> None:
+    """A wait replaces the bound with the device's exact top; a write reserved before it and not yet launched runs
+    after that top, so it stays counted: the bound covers the top once it has run."""
+    from kernels import kv_cuda, kv_overflow
+
+    d, h, block, n = 64, 2, 16, 64
+    g = torch.Generator().manual_seed(23)
+    lay = kp.KVPageLayout(d, block, 4, 3)
+    tops = torch.randint(110, 140, (2, h, d), generator=g).to(torch.uint8).to(DEV)
+    wild = lambda: (torch.randn(n, h, d, generator=g) * torch.exp2(torch.randint(-40, 40, (n, h, d), generator=g)  # noqa: E731
+                                                                   .float())).to(torch.bfloat16).to(DEV)
+    cache = torch.zeros(2 * n // block, h, lay.page_bytes, dtype=torch.uint8, device=DEV)
+    ovf = kp.OverflowStore(2 * n // block, h, device=DEV)
+    kv_cuda.write(cache, lay, tops, ovf, wild(), wild(), torch.arange(n, device=DEV))
+    runs = kv_overflow.device_runs(ovf, d)
+    runs.reserve(n)
+    runs.wait()  # e.g. another write's check between the reservation and its write
+    kv_cuda.write(cache, lay, tops, ovf, wild(), wild(), torch.arange(n, 2 * n, device=DEV))  # takes it
+    torch.cuda.synchronize()
+    runs.refresh()
+    top = int(runs.counters[0]) * kp.OVERFLOW_MIN_RUN
+    assert top <= runs.bound, (top, runs.bound)
+
+
+def test_an_arena_that_cannot_grow_leaves_no_misses_behind(monkeypatch: pytest.MonkeyPatch) -> None:
+    """When the arena cannot grow, the misses of the write that asked are that failure's: the next snapshot must
+    not report them as a wrong bound (ArenaFullError)."""
+    from kernels import kv_overflow
+
+    ovf = kp.OverflowStore(4, 2, device=DEV)
+    runs = kv_overflow.device_runs(ovf, 64)
+    runs.counters[1] = 3  # tiles of a checked write that found no room
+    monkeypatch.setattr(kv_overflow, "MAX_UNITS", 1)
+    with pytest.raises(MemoryError, match="overflow arena would pass"):
+        runs.make_room(256, extra=1 << 20)
+    assert int(runs.counters[1]) == 0
+    runs.wait()  # no ArenaFullError

@@ -88,6 +88,7 @@ def test_kernel_choice_by_platform_and_refusals(monkeypatch: pytest.MonkeyPatch)
     (lambda c: setattr(c.parallel_config, "tensor_parallel_size", 2), "tensor parallel size 2"),
     (lambda c: setattr(c.parallel_config, "pipeline_parallel_size", 2), "pipeline parallel"),
     (lambda c: setattr(c.parallel_config, "decode_context_parallel_size", 2), "decode context parallel"),
+    (lambda c: setattr(c.parallel_config, "enable_dbo", True), "micro-batching"),
     (lambda c: setattr(c, "kv_transfer_config", object()), "KV transfer"),
     (lambda c: setattr(c.cache_config, "cache_dtype", "fp8"), "kv_cache_dtype is fp8"),
     (lambda c: setattr(c.cache_config, "kv_offloading_size", 4.0), "offloading"),
