@@ -5,7 +5,7 @@ weights (kernels/matmul_cuda.py, what `--quantization glyd` runs on CUDA) and th
 Weights: N(0, 0.02) bf16 with 0.2% outliers (x100) and 0.05% zeros, so about 0.25% of them escape the
 15-exponent window, as on the demo model (docs/benchmarks.md). For each shape it checks both decode kernels bit
 for bit against the bf16 weight and both matmuls against an fp32 reference (the same bits twice), then times,
-under CUDA graphs with the weights rotated over copies that together exceed L2, each pair side by side at 1-64
+under CUDA graphs with the weights rotated over copies that together exceed L2, each pair side by side at 1-128
 rows (the Triton kernel to 64, decode + cuBLAS beside them from 32), and decode + cuBLAS at 512 rows. `--cuda-sweep`
 also times other builds of the CUDA kernel (warps, stages, blocks a multiprocessor, escape warps) and reports the
 best; lookups in a Qwen3-8B-shaped embedding table close the run. Prints a table; logs to $OUT.
@@ -33,15 +33,20 @@ from kernels import matmul_cuda as mc  # noqa: E402
 from kernels import resident_linear as rl  # noqa: E402
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 24576), "down": (12288, 4096)}  # K -> N
-ROWS = (1, 2, 4, 8, 16, 32, 64)
+ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 PREFILL_ROWS = 512
-CUDA_SWEEP = {  # (tiles, warps, stages, min_blocks, escape warps), by 8-row tiles of x: 1-8 rows, 9-16, 17-32, 33-64
-    1: [(1, 14, 2, 2, 2), (1, 8, 2, 2, 2), (1, 12, 2, 2, 4), (1, 8, 2, 2, 4), (1, 6, 2, 3, 2), (1, 7, 2, 3, 2),
-        (1, 8, 2, 2, 1), (1, 7, 2, 3, 1), (2, 7, 2, 2, 1)],
-    2: [(1, 7, 2, 2, 2), (1, 6, 2, 3, 2), (1, 7, 2, 2, 4), (1, 4, 2, 3, 4), (1, 8, 2, 2, 4), (1, 5, 2, 3, 2),
-        (1, 7, 2, 3, 1), (2, 7, 2, 2, 1)],
-    4: [(1, 8, 2, 1, 2), (1, 12, 1, 1, 2), (1, 6, 2, 1, 4), (1, 16, 1, 1, 4), (1, 4, 2, 2, 2), (1, 10, 2, 1, 2)],
-    8: [(1, 8, 1, 1, 2), (1, 6, 1, 1, 4), (1, 10, 1, 1, 2), (1, 4, 2, 1, 2), (1, 8, 1, 1, 4), (1, 4, 1, 2, 2)]}
+_C, _W = mc.Config, mc.WideConfig
+CUDA_SWEEP = {  # other builds, by 8-row tiles of x: 1-8 rows, 9-16, 17-32, 33-64, 65-128
+    # Config: (tiles, warps, stages, min_blocks, escape warps); WideConfig: (warps, stages, min_blocks, K splits, pipe)
+    1: [_C(1, 14, 2, 2, 2), _C(1, 8, 2, 2, 2), _C(1, 12, 2, 2, 4), _C(1, 8, 2, 2, 4), _C(1, 6, 2, 3, 2),
+        _C(1, 7, 2, 3, 2), _C(1, 8, 2, 2, 1), _C(1, 7, 2, 3, 1), _C(2, 7, 2, 2, 1)],
+    2: [_C(1, 7, 2, 2, 2), _C(1, 6, 2, 3, 2), _C(1, 7, 2, 2, 4), _C(1, 4, 2, 3, 4), _C(1, 8, 2, 2, 4),
+        _C(1, 5, 2, 3, 2), _C(1, 7, 2, 3, 1), _C(2, 7, 2, 2, 1), _W(8, 4, 2, 0), _W(4, 4, 3, 0)],
+    4: [_C(1, 4, 2, 2, 2), _W(8, 3, 2, 0), _W(4, 4, 2, 0), _W(4, 4, 4, 0), _W(8, 4, 2, 0), _W(8, 4, 3, 0),
+        _W(8, 4, 2, 4), _W(4, 4, 4, 0, 0), _W(8, 4, 3, 0, 0), _W(8, 3, 2, 0, 0)],
+    8: [_C(1, 6, 1, 1, 4), _W(8, 3, 2, 0), _W(8, 4, 2, 0), _W(4, 4, 2, 0), _W(4, 3, 3, 0), _W(8, 4, 2, 2),
+        _W(8, 4, 2, 4), _W(8, 3, 2, 0, 0), _W(4, 4, 2, 0, 0)],
+    16: [_W(4, 4, 2, 0), _W(8, 3, 1, 0), _W(4, 3, 2, 0), _W(8, 4, 1, 2), _W(4, 4, 2, 0, 0)]}
 ROTATE_BYTES = 320 << 20  # more than twice the H200's L2
 EMBEDDING = (151936, 4096)  # Qwen3-8B's vocabulary x hidden size
 LOG: dict[str, object] = {}
@@ -67,7 +72,7 @@ def rotated_copies(w: torch.Tensor, r: resident.ResidentWeight, f: fw.FragmentWe
     ws = [w] + [w.clone() for _ in range(copies - 1)]
     rs = [r] + [resident.ResidentWeight(r.shape, r.sm.clone(), r.offs.clone(), r.base, r.esc_pos.clone(),
                                         r.esc_bits.clone()) for _ in range(copies - 1)]
-    fs = [f] + [fw.FragmentWeight(f.shape, f.data.clone(), f.lo, f.rowptr.clone(), f.esc.clone())
+    fs = [f] + [fw.FragmentWeight(f.shape, f.data.clone(), f.lo, f.rowptr.clone(), f.esc.clone(), f.colptr.clone())
                 for _ in range(copies - 1)]
     return ws, rs, fs
 
@@ -95,14 +100,11 @@ def copy_bandwidth(dev: str) -> float:
     return 2 * n / ms / 1e9
 
 
-def cuda_configs(sweep: bool, m: int, n: int) -> list[mc.Config]:
+def cuda_configs(sweep: bool, m: int, n: int, k: int) -> list[mc.Config | mc.WideConfig]:
     """The default build first, then (with --cuda-sweep) the others."""
-    out = [mc.default_config(m, n, torch.cuda.get_device_properties(0).multi_processor_count)]
+    out = [mc.default_config(m, n, torch.cuda.get_device_properties(0).multi_processor_count, k)]
     if sweep:
-        for tiles, warps, stages, blocks, ew in CUDA_SWEEP[mc.x_tiles(m)]:
-            cfg = mc.Config(tiles=tiles, warps=warps, stages=stages, min_blocks=blocks, escape_warps=ew)
-            if cfg not in out:
-                out.append(cfg)
+        out += [cfg for cfg in CUDA_SWEEP[mc.x_tiles(m)] if cfg not in out]
     return out
 
 
@@ -170,11 +172,11 @@ def main() -> int:
             ref = x.float() @ w.float().T
             sweep: dict[str, float] = {}
             best = None
-            for cfg in cuda_configs(args.cuda_sweep, m, n):
+            for cfg in cuda_configs(args.cuda_sweep, m, n, k):
                 y = mc.matmul(x, f, None, cfg)
                 ok = rel_err(y, ref) < 0.02 and torch.equal(y.view(torch.int16),
                                                             mc.matmul(x, f, None, cfg).view(torch.int16))
-                if cfg == cuda_configs(False, m, n)[0]:
+                if cfg == cuda_configs(False, m, n, k)[0]:
                     checks[f"cuda_m{m}_ok"] = bool(ok)
                 elif not ok:  # every build must be right, not only the default
                     checks[f"cuda_m{m}_{cfg}_ok"] = False
@@ -186,9 +188,10 @@ def main() -> int:
                     best = (ms, cfg)
             log(args.out, f"sweep_{name}_m{m}", sweep)
             # the default build with no escapes to add: what the escape warps cost (a timing, wrong values)
-            bare = [fw.FragmentWeight(ff.shape, ff.data, ff.lo, torch.zeros_like(ff.rowptr), ff.esc[:0]) for ff in fs]
+            bare = [fw.FragmentWeight(ff.shape, ff.data, ff.lo, torch.zeros_like(ff.rowptr), ff.esc[:0]).with_colptr()
+                    for ff in fs]
             bare_ms = timed([lambda ff=ff, x=x: mc.matmul(x, ff) for ff in bare], True)
-            cuda_ms = sweep[str(cuda_configs(False, m, n)[0])]
+            cuda_ms = sweep[str(cuda_configs(False, m, n, k)[0])]
             checks[f"cuda_m{m}_rel_err"] = round(rel_err(mc.matmul(x, f), ref), 5)
             torch_ms = timed([lambda ww=ww, x=x: torch.matmul(x, ww.T) for ww in ws], True)
             tri_ms = None

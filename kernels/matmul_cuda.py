@@ -1,9 +1,12 @@
-"""Launchers of the CUDA Glyd matmul (kernels/cuda/matmul.cu) on fragment-order weights (format/fragment_weight.py).
+"""Launchers of the CUDA Glyd matmuls (kernels/cuda/matmul.cu, matmul_wide.cu) on fragment-order weights
+(format/fragment_weight.py).
 
-`matmul` runs y = x @ W.T (+ bias) for 1-64 rows of x in one launch: a block holds 16 or 32 rows of W, its warps
-stream a share of K each chunk by chunk through registers into the tensor cores, 1-4 more warps add the escapes,
-and the warps' sums meet in shared memory in a fixed order (the same bits on every run). `decode` writes W out in
-bf16 for prefill-sized matmuls (decode once, then the bf16 GEMM).
+`matmul` runs y = x @ W.T (+ bias) for 1-128 rows of x in one launch. Up to 16 rows a block holds 16 rows of W, its
+warps stream a share of K each chunk by chunk through registers into the tensor cores, 1-4 more warps add the
+escapes, and the warps' sums meet in shared memory in a fixed order (the same bits on every run). Past 16 rows a
+block's warps hold 16 rows of W each and share x's chunks through shared memory, K split between blocks whose sums
+the last of them adds in order (`WideConfig`). `decode` writes W out in bf16 for prefill-sized matmuls (decode
+once, then the bf16 GEMM).
 """
 
 from __future__ import annotations
@@ -14,13 +17,15 @@ from dataclasses import dataclass
 
 import torch
 
+from glyd_engine.format import fragment_weight as fw
 from glyd_engine.format.fragment_weight import CHUNK_COLS, TILE_ROWS, FragmentWeight
 from kernels import nvrtc
 
 SOURCE = "matmul.cu"
 KERNELS = ("glyd_mm", "glyd_mm_decode", "glyd_mm_patch", "glyd_mm_gather")
-MAX_ROWS = 64  # rows of x the kernel takes: 8-row MMA tiles of x, 1, 2, 4 or 8 of them
-FUSED_ROWS = 64  # up to this many rows the layer runs the kernel; more decode once and use the bf16 GEMM
+WIDE_SOURCE = "matmul_wide.cu"
+MAX_ROWS = 128  # rows of x the kernels take: 8-row MMA tiles of x, 1-16 of them
+FUSED_ROWS = 64  # up to this many rows the layer runs the kernels; more decode once and use the bf16 GEMM
 
 
 @dataclass(frozen=True)
@@ -32,17 +37,32 @@ class Config:
     escape_warps: int = 1  # warps a block that walk the escape lists (1, 2 or 4)
 
 
-def default_config(rows: int, n: int = 0, sms: int = 132) -> Config:
-    """The H200's best of bench/gpu_linear.py's sweeps (docs/benchmarks.md) for W with n rows: up to 16 rows of x,
-    where W has at most two 16-row tiles a multiprocessor, more streaming warps a block (each a shorter share of K),
-    and for 9-16 rows four escape warps (their walk is the longer there), else 8 or 6 streaming warps and two escape
-    warps; for 17-64 rows few streaming warps, whatever the shape. Every default compiles without spills
-    (tests/kernels/test_kv_cuda_build.py)."""
+@dataclass(frozen=True)
+class WideConfig:
+    """The kernel past 16 rows of x (matmul_wide.cu)."""
+
+    warps: int = 8  # 16-row tiles of W a block, a warp each, sharing x's chunks
+    stages: int = 4  # chunks of x and W in the shared-memory ring
+    min_blocks: int = 2  # blocks a multiprocessor (the register budget)
+    splits: int = 0  # blocks K is split between (0: `wide_splits`)
+    pipe: int = 1  # 1: the ring's stages handed over by mbarriers; 0: a block barrier a chunk
+
+
+def default_config(rows: int, n: int = 0, sms: int = 132, k: int = 4096) -> Config | WideConfig:
+    """The H200's best of bench/gpu_linear.py's sweeps (docs/benchmarks.md) for W of n rows and k columns. Up to 16
+    rows of x, where W has at most two 16-row tiles a multiprocessor, more streaming warps a block (each a shorter
+    share of K), and for 9-16 rows four escape warps (their walk is the longer there), else 8 or 6 streaming warps
+    and two escape warps. 17-32 rows: the streaming kernel on such a W when K is short, else the wide one with 8
+    tiles a block; 33-64 rows the wide one with 4 tiles a block, three blocks a multiprocessor. Every default
+    compiles without spills (tests/kernels/test_kv_cuda_build.py)."""
     few_tiles = n // TILE_ROWS <= 2 * sms
+    if rows > 64:
+        return WideConfig(warps=4, stages=4, min_blocks=2)
     if rows > 32:
-        return Config(tiles=1, warps=6, stages=1, min_blocks=1, escape_warps=4)
+        return WideConfig(warps=4, stages=3, min_blocks=3)
     if rows > 16:
-        return Config(tiles=1, warps=4, stages=2, min_blocks=2, escape_warps=2)
+        return Config(tiles=1, warps=4, stages=2, min_blocks=2, escape_warps=2) if few_tiles and k <= 4096 else \
+            WideConfig(warps=8, stages=3, min_blocks=2)
     if rows <= 8:
         return Config(tiles=1, warps=14 if few_tiles else 8, min_blocks=2, escape_warps=2)
     return Config(tiles=1, warps=8, min_blocks=2, escape_warps=4) if few_tiles else \
@@ -64,13 +84,76 @@ def defines(rows: int, cfg: Config, n: int = TILE_ROWS * 2) -> dict[str, int]:
             "MIN_BLOCKS": cfg.min_blocks, "EW": cfg.escape_warps}
 
 
+def wide_defines(rows: int, cfg: WideConfig) -> dict[str, int]:
+    return {"MT": x_tiles(rows), "WT": cfg.warps, "STAGES": cfg.stages, "MIN_BLOCKS": cfg.min_blocks,
+            "PIPE": cfg.pipe}
+
+
+def wide_smem(rows: int, cfg: WideConfig) -> int:
+    """Bytes of the ring: a stage holds 8 MT rows of x's 64-column chunk and each warp's 1,536-byte chunk of W."""
+    return cfg.stages * (x_tiles(rows) * 8 * 128 + cfg.warps * 1536)
+
+
+def wide_splits(n: int, k: int, cfg: WideConfig, sms: int) -> int:
+    """Blocks K is split between: enough for the tile groups to fill the GPU's block slots, each split at least two
+    512-column groups (fewer sums to add, a ring that fills)."""
+    groups = -(-n // (TILE_ROWS * cfg.warps))
+    col_groups = -(-k // fw.GROUP_COLS)
+    if cfg.splits:
+        return max(1, min(cfg.splits, col_groups))
+    want = -(-sms * cfg.min_blocks * 9 // 10 // groups)
+    return max(1, min(want, col_groups // 2))
+
+
 @functools.lru_cache(maxsize=64)
 def _module(defs: tuple[tuple[str, int], ...], device: int) -> dict:
     return nvrtc.load(SOURCE, dict(defs), KERNELS, device)
 
 
+@functools.lru_cache(maxsize=32)
+def _wide_module(defs: tuple[tuple[str, int], ...], smem: int, device: int) -> nvrtc.Kernel:
+    kernel = nvrtc.load(WIDE_SOURCE, dict(defs), ("glyd_mm_wide",), device)["glyd_mm_wide"]
+    nvrtc.set_max_smem(kernel, smem)
+    return kernel
+
+
 def kernels(rows: int, cfg: Config, device: torch.device, n: int = TILE_ROWS * 2) -> dict:
     return _module(tuple(sorted(defines(rows, cfg, n).items())), device.index or 0)
+
+
+def wide_kernel(rows: int, cfg: WideConfig, device: torch.device) -> nvrtc.Kernel:
+    return _wide_module(tuple(sorted(wide_defines(rows, cfg).items())), wide_smem(rows, cfg), device.index or 0)
+
+
+class _Scratch:
+    """A device's split sums (fp32) and counters (zero between launches) for the wide kernel. Buffers that grew stay
+    alive: a captured CUDA graph may still use them."""
+
+    def __init__(self) -> None:
+        self.part: torch.Tensor | None = None
+        self.count: torch.Tensor | None = None
+        self.old: list[torch.Tensor] = []
+
+    def get(self, device: torch.device, part: int, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.part is None or self.part.numel() < part:
+            self._grow()
+            self.part = torch.empty(max(part, 1 << 20), dtype=torch.float32, device=device)
+        if self.count is None or self.count.numel() < groups:
+            self._grow()
+            self.count = torch.zeros(max(groups, 4096), dtype=torch.int32, device=device)
+        return self.part, self.count
+
+    def _grow(self) -> None:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the Glyd matmul's scratch would grow during CUDA-graph capture (preload the weight)")
+        self.old += [t for t in (self.part, self.count) if t is not None]
+
+
+_SCRATCH: dict[int, _Scratch] = {}
+
+
+def _scratch(device: torch.device, part: int, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return _SCRATCH.setdefault(device.index or 0, _Scratch()).get(device, part, groups)
 
 
 @functools.lru_cache(maxsize=8)
@@ -86,9 +169,9 @@ def _check_x(x: torch.Tensor, cols: int) -> None:
                          "bf16 GEMM")
 
 
-def matmul(x: torch.Tensor, f: FragmentWeight, bias: torch.Tensor | None = None, cfg: Config | None = None
-           ) -> torch.Tensor:
-    """y = x @ W.T (+ bias), bf16 [M, N], for x bf16 [M <= 64, K] on W's device."""
+def matmul(x: torch.Tensor, f: FragmentWeight, bias: torch.Tensor | None = None,
+           cfg: Config | WideConfig | None = None) -> torch.Tensor:
+    """y = x @ W.T (+ bias), bf16 [M, N], for x bf16 [M <= 128, K] on W's device."""
     n, k = f.shape
     _check_x(x, k)
     m = x.shape[0]
@@ -97,10 +180,13 @@ def matmul(x: torch.Tensor, f: FragmentWeight, bias: torch.Tensor | None = None,
         return y
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:  # rows are read as 16-byte vectors
         x = x.contiguous()
-    cfg = cfg or default_config(m, n, _multiprocessors(x.device.index or 0))
+    cfg = cfg or default_config(m, n, _multiprocessors(x.device.index or 0), k)
     has_bias = bias is not None
     if has_bias and (bias.dtype != torch.bfloat16 or bias.numel() != n):
         bias = bias.to(torch.bfloat16).reshape(n)
+    if isinstance(cfg, WideConfig):
+        _wide(y, x, f, bias if has_bias else None, cfg)
+        return y
     blocks = n // TILE_ROWS // _tiles(m, n, cfg)
     kernels(m, cfg, x.device, n)["glyd_mm"](
         (blocks,), (32 * (cfg.warps + cfg.escape_warps),),
@@ -109,13 +195,35 @@ def matmul(x: torch.Tensor, f: FragmentWeight, bias: torch.Tensor | None = None,
     return y
 
 
-def preload(n: int, device: torch.device) -> None:
-    """Compile and load the builds a weight of n rows runs (one a size class of x up to FUSED_ROWS, the decode) now,
-    at load time: a first load synchronizes the device, which a CUDA-graph capture must not see."""
+def _wide(y: torch.Tensor, x: torch.Tensor, f: FragmentWeight, bias: torch.Tensor | None, cfg: WideConfig) -> None:
+    n, k = f.shape
+    m = x.shape[0]
+    f = f.with_colptr()
+    splits = wide_splits(n, k, cfg, _multiprocessors(x.device.index or 0))
+    groups = -(-n // (TILE_ROWS * cfg.warps))
+    part, count = _scratch(x.device, splits * m * n if splits > 1 else 0, groups)
+    wide_kernel(m, cfg, x.device)(
+        (groups, splits), (32 * cfg.warps,),
+        [y, f.data, x, y if bias is None else bias.contiguous(), f.rowptr, f.colptr, f.esc, part, count, m, n, k,
+         x.stride(0), f.lo, int(bias is not None)], smem=wide_smem(m, cfg))
+
+
+def preload(n: int, device: torch.device, k: int = 0) -> None:
+    """Compile and load the builds a weight of n rows (and k columns) runs (one a size class of x up to FUSED_ROWS,
+    the decode) and its scratch now, at load time: a first load synchronizes the device, which a CUDA-graph capture
+    must not see."""
     sms = _multiprocessors(device.index or 0)
-    for rows in (1, 9, 17, 33):
-        if rows <= FUSED_ROWS:
-            kernels(rows, default_config(rows, n, sms), device, n)
+    for rows in (1, 9, 17, 33, 65):
+        if rows > FUSED_ROWS:
+            break
+        cfg = default_config(rows, n, sms, k or 4096)
+        if isinstance(cfg, WideConfig):
+            wide_kernel(rows, cfg, device)
+            top = min(FUSED_ROWS, 8 * x_tiles(rows))
+            groups = -(-n // (TILE_ROWS * cfg.warps))
+            _scratch(device, wide_splits(n, max(k, 1), cfg, sms) * top * n, groups)
+        else:
+            kernels(rows, cfg, device, n)
     kernels(1, Config(), device)
 
 
@@ -144,4 +252,4 @@ def gather_rows(f: FragmentWeight, ids: torch.Tensor) -> torch.Tensor:
     return out
 
 
-__all__ = ["MAX_ROWS", "Config", "decode", "default_config", "gather_rows", "matmul", "preload"]
+__all__ = ["MAX_ROWS", "Config", "WideConfig", "decode", "default_config", "gather_rows", "matmul", "preload"]

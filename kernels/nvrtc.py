@@ -54,6 +54,11 @@ def source(name: str) -> str:
     return (SOURCES / name).read_text()
 
 
+def headers() -> list[tuple[str, str]]:
+    """(name, text) of the shared headers in kernels/cuda, which any source may #include."""
+    return [(p.name, p.read_text()) for p in sorted(SOURCES.glob("*.cuh"))]
+
+
 def options(arch: str, defines: dict[str, int]) -> list[str]:
     return [f"--gpu-architecture={arch}", "-std=c++17", "--device-int128", "-lineinfo",
             *(f"-D{k}={v}" for k, v in sorted(defines.items()))]
@@ -64,7 +69,9 @@ def compile_cubin(name: str, arch: str, defines: dict[str, int], log_ptxas: bool
     nvrtc = _nvrtc()
     src = source(name).encode()
     opts = [o.encode() for o in options(arch, defines)] + ([b"--ptxas-options=-v"] if log_ptxas else [])
-    (prog,) = _check(nvrtc.nvrtcCreateProgram(src, name.encode(), 0, [], []), "nvrtcCreateProgram")
+    hdrs = headers()
+    (prog,) = _check(nvrtc.nvrtcCreateProgram(src, name.encode(), len(hdrs), [t.encode() for _, t in hdrs],
+                                              [n.encode() for n, _ in hdrs]), "nvrtcCreateProgram")
     try:
         (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         (size,) = _check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
@@ -83,6 +90,8 @@ def compile_cubin(name: str, arch: str, defines: dict[str, int], log_ptxas: bool
 
 def cache_key(name: str, arch: str, defines: dict[str, int]) -> str:
     h = hashlib.sha256(source(name).encode())
+    for hname, text in headers():
+        h.update(hname.encode() + text.encode())
     h.update(repr(options(arch, defines)).encode())
     h.update(nvrtc_version().encode())
     return f"{Path(name).stem}-{arch}-{h.hexdigest()[:20]}"

@@ -115,7 +115,28 @@ def test_from_resident_equals_from_bf16(monkeypatch: pytest.MonkeyPatch):
         monkeypatch.setattr(fw, "PASS_VALUES", pass_values)
         a = fw.from_resident(resident.from_bf16(w))
         assert a.lo == b.lo and torch.equal(a.data, b.data) and torch.equal(a.esc, b.esc)
-        assert torch.equal(a.rowptr, b.rowptr)
+        assert torch.equal(a.rowptr, b.rowptr) and torch.equal(a.colptr, b.colptr)
+
+
+@pytest.mark.parametrize(("n", "k"), [(32, 64), (48, 1088), (16, 2048)])
+def test_column_index_counts_each_rows_escapes_below_each_group_boundary(n: int, k: int):
+    """colptr[q][n]: row n's escapes in columns below 512 (q + 1), stored as uint16 (a row with over 2^15 escapes
+    included); the split matmul starts each row's walk there."""
+    w = model_like(n, k, seed=n + k, outliers=0.03, zeros=0.02)
+    w[5, :] = 0.0  # every value of a row escapes
+    f = fw.from_bits(w)
+    assert f.colptr.dtype == torch.int16 and f.colptr.shape == (-(-k // fw.GROUP_COLS) - 1, n)
+    entry = f.esc.to(torch.int64) & 0xFFFFFFFF
+    got = f.colptr.to(torch.int64) & 0xFFFF
+    for row in range(n):
+        cols = entry[int(f.rowptr[row]): int(f.rowptr[row + 1])] >> 16
+        want = torch.tensor([int((cols < fw.GROUP_COLS * (q + 1)).sum()) for q in range(got.shape[0])],
+                            dtype=torch.int64)
+        assert torch.equal(got[:, row], want), row
+    wide = torch.zeros(16, 65472, dtype=torch.bfloat16)  # 65,472 escapes in one row: past int16, within uint16
+    far = fw.from_bits(wide)
+    assert int(far.colptr[-1, 0]) & 0xFFFF == 65024
+    assert f.nbytes == f.data.numel() + 4 * (f.rowptr.numel() + f.esc.numel()) + 2 * f.colptr.numel()
 
 
 @pytest.mark.parametrize(("shape", "reason"), [((15, 64), "multiple of 16"), ((16, 96), "columns of 64"),

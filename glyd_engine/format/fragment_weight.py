@@ -19,6 +19,7 @@ CHUNK_BYTES = 3 * 32 * 16  # planes L(g), L(g + 8), H; 32 lanes; 16 bytes a lane
 WINDOW = 15  # codes 1..15 are exponents lo + 1 .. lo + 15; code 0 is an escape
 MAX_LO = 238  # lo is even and the window's top (lo + 15) a finite exponent
 HMASK = 0x87878787
+GROUP_COLS = 512  # colptr's column groups: the wide CUDA matmul splits K at their boundaries
 
 
 @dataclass
@@ -28,6 +29,9 @@ class FragmentWeight:
     lo: int  # even; a code c decodes to exponent lo + c
     rowptr: torch.Tensor  # int32 [N + 1]: row n's escapes are entries rowptr[n] .. rowptr[n + 1] - 1
     esc: torch.Tensor  # int32 [e]: column << 16 | the value's bf16 bits, columns ascending within a row
+    # int16 [ceil(K / 512) - 1, N], read as uint16: row n's escapes in columns below 512 (q + 1), an index of `esc`
+    # for the matmul that splits K at those columns (None: made when needed, `with_colptr`)
+    colptr: torch.Tensor | None = None
 
     @property
     def numel(self) -> int:
@@ -35,14 +39,33 @@ class FragmentWeight:
 
     @property
     def nbytes(self) -> int:
-        return self.data.numel() + 4 * (self.rowptr.numel() + self.esc.numel())
+        extra = 2 * self.colptr.numel() if self.colptr is not None else 0
+        return self.data.numel() + 4 * (self.rowptr.numel() + self.esc.numel()) + extra
 
     @property
     def bits_per_value(self) -> float:
         return 8 * self.nbytes / max(1, self.numel)
 
     def to(self, device: torch.device | str) -> FragmentWeight:
-        return FragmentWeight(self.shape, self.data.to(device), self.lo, self.rowptr.to(device), self.esc.to(device))
+        return FragmentWeight(self.shape, self.data.to(device), self.lo, self.rowptr.to(device), self.esc.to(device),
+                              None if self.colptr is None else self.colptr.to(device))
+
+    def with_colptr(self) -> FragmentWeight:
+        return self if self.colptr is not None else FragmentWeight(
+            self.shape, self.data, self.lo, self.rowptr, self.esc, column_index(self.shape, self.rowptr, self.esc))
+
+
+def column_index(shape: tuple[int, int], rowptr: torch.Tensor, esc: torch.Tensor) -> torch.Tensor:
+    """`colptr` of a weight's escape list (see FragmentWeight): a row has fewer than K < 2^16 escapes."""
+    n, k = shape
+    dev = rowptr.device
+    counts = (rowptr[1:] - rowptr[:-1]).to(torch.int64)
+    rows = torch.repeat_interleave(torch.arange(n, device=dev), counts)
+    key = rows << 16 | ((esc.to(torch.int64) & 0xFFFFFFFF) >> 16)  # ascending: rows, then columns
+    ends = torch.arange(1, -(-k // GROUP_COLS), device=dev)[:, None] * GROUP_COLS
+    below = torch.searchsorted(key, ((torch.arange(n, device=dev)[None, :] << 16) + ends).reshape(-1))
+    below = below.view(-1, n) - rowptr[None, :-1].to(torch.int64)
+    return torch.where(below >= 1 << 15, below - (1 << 16), below).to(torch.int16).contiguous()
 
 
 def unsupported(shape: tuple[int, ...]) -> str | None:
@@ -96,8 +119,9 @@ def _assemble(shape: tuple[int, int], lo: int, blocks: list[tuple[torch.Tensor, 
               ) -> FragmentWeight:
     counts = torch.cat([blk[2] for blk in blocks])
     rowptr = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
-    return FragmentWeight(shape, torch.cat([blk[0] for blk in blocks]).contiguous(), lo, rowptr,
-                          torch.cat([blk[1] for blk in blocks]))
+    esc = torch.cat([blk[1] for blk in blocks])
+    return FragmentWeight(shape, torch.cat([blk[0] for blk in blocks]).contiguous(), lo, rowptr, esc,
+                          column_index(shape, rowptr, esc))
 
 
 def _check(shape: tuple[int, ...]) -> tuple[int, int]:

@@ -41,7 +41,7 @@ log = logging.getLogger("vllm.glyd")
 PART_DTYPES = {"sm": torch.uint8, "exp": torch.int32, "off": torch.int32, "len": torch.uint8, "meta": torch.int64}
 QKV_SHARDS = {"q": 0, "k": 1, "v": 2}
 BUFFERS = ("glyd_sm", "glyd_offs", "glyd_esc_pos", "glyd_esc_bits")
-FRAGMENT_BUFFERS = ("glyd_frag_data", "glyd_frag_rowptr", "glyd_frag_esc")
+FRAGMENT_BUFFERS = ("glyd_frag_data", "glyd_frag_rowptr", "glyd_frag_esc", "glyd_frag_colptr")
 
 
 # -- the matmul: one op, plain torch decode + vLLM's GEMM on the CPU, the fused Triton kernel on CUDA -----
@@ -115,11 +115,11 @@ def _(ids: torch.Tensor, sm: torch.Tensor, offs: torch.Tensor, esc_pos: torch.Te
 
 
 @torch.library.custom_op("glyd::fragment_linear", mutates_args=())
-def fragment_linear(x: torch.Tensor, data: torch.Tensor, rowptr: torch.Tensor, esc: torch.Tensor, lo: int, rows: int,
-                    cols: int, bias: torch.Tensor | None) -> torch.Tensor:
+def fragment_linear(x: torch.Tensor, data: torch.Tensor, rowptr: torch.Tensor, esc: torch.Tensor, colptr: torch.Tensor,
+                    lo: int, rows: int, cols: int, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ W.T (+ bias), W in the fragment layout. CUDA: the CUDA matmul for up to FUSED_ROWS (64) rows of x, else its
     decode + vLLM's GEMM. CPU: the layout's torch decode + vLLM's GEMM (the bf16 model's bits; how the tests run it)."""
-    f = fw.FragmentWeight((rows, cols), data, lo, rowptr, esc)
+    f = fw.FragmentWeight((rows, cols), data, lo, rowptr, esc, colptr)
     if x.is_cuda:
         from kernels import matmul_cuda as kernel
 
@@ -131,8 +131,8 @@ def fragment_linear(x: torch.Tensor, data: torch.Tensor, rowptr: torch.Tensor, e
 
 
 @fragment_linear.register_fake
-def _(x: torch.Tensor, data: torch.Tensor, rowptr: torch.Tensor, esc: torch.Tensor, lo: int, rows: int, cols: int,
-      bias: torch.Tensor | None) -> torch.Tensor:
+def _(x: torch.Tensor, data: torch.Tensor, rowptr: torch.Tensor, esc: torch.Tensor, colptr: torch.Tensor, lo: int,
+      rows: int, cols: int, bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], rows))
 
 
@@ -158,8 +158,8 @@ def _(ids: torch.Tensor, data: torch.Tensor, rowptr: torch.Tensor, esc: torch.Te
 def _apply(src: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     rows, cols = src.glyd_shape
     if src.glyd_layout == "fragment":
-        return fragment_linear(x, src.glyd_frag_data, src.glyd_frag_rowptr, src.glyd_frag_esc, src.glyd_lo, rows, cols,
-                               bias)
+        return fragment_linear(x, src.glyd_frag_data, src.glyd_frag_rowptr, src.glyd_frag_esc, src.glyd_frag_colptr,
+                               src.glyd_lo, rows, cols, bias)
     return resident_linear(x, src.glyd_sm, src.glyd_offs, src.glyd_esc_pos, src.glyd_esc_bits, src.glyd_plan_rowptr,
                            src.glyd_plan_col, src.glyd_plan_corr, src.glyd_base, rows, cols, bias)
 
@@ -281,9 +281,9 @@ def _install(layer: torch.nn.Module, r: resident.ResidentWeight, device: torch.d
         if device.type == "cuda":
             from kernels import matmul_cuda
 
-            matmul_cuda.preload(r.shape[0], device)
+            matmul_cuda.preload(r.shape[0], device, r.shape[1])
         f = fw.from_resident(r)
-        for name, t in zip(FRAGMENT_BUFFERS, (f.data, f.rowptr, f.esc), strict=True):
+        for name, t in zip(FRAGMENT_BUFFERS, (f.data, f.rowptr, f.esc, f.colptr), strict=True):
             layer.register_buffer(name, t, persistent=False)
         layer.glyd_lo, layer.glyd_bytes, layer.glyd_escapes = f.lo, f.nbytes, int(f.esc.numel())
         return

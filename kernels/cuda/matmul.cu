@@ -23,8 +23,7 @@
 // sums meet in shared memory, added in warp order: no partial sums leave the block, and a call gives the same bits on
 // every run.
 
-typedef unsigned int u32;
-typedef unsigned short u16;
+#include "fragment_code.cuh"
 
 #ifndef MT
 #define MT 1
@@ -49,50 +48,10 @@ typedef unsigned short u16;
 #ifndef EB
 #define EB (MT == 1 ? 6 : MT == 2 ? 4 : 2)  // escape entries a row the escape warp loads at once
 #endif
-#define CHUNK_U4 96u  // 16-byte units of a (16-row tile, 64-column chunk): planes L(g), L(g+8), H; 32 lanes each
-#define HMASK 0x87878787u
-
 static_assert(MT == 1 || MT == 2 || MT == 4 || MT == 8, "1-8, 9-16, 17-32 or 33-64 rows of x");
 static_assert((WARPS + EW) * NT * MT * 4 * 32 * 4 <= 48 * 1024, "the warps' sums fit static shared memory");
 static_assert(STAGES >= 1 && STAGES <= 4, "1-4 chunks in registers");
 static_assert(EW == 1 || EW == 2 || EW == 4, "one, two or four escape warps");
-
-__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 s) {
-  u32 r;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(s));
-  return r;
-}
-__device__ __forceinline__ u32 rotr(u32 x, int n) { return __funnelshift_r(x, x, n); }
-__device__ __forceinline__ float bf(u32 bits16) { return __uint_as_float(bits16 << 16); }
-__device__ __forceinline__ u16 to_bf16(float v) {
-  u16 r;
-  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(v));
-  return r;
-}
-__device__ __forceinline__ void mma(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-// W is read once: stream it past L1. x is read by every warp of the block: keep it there.
-__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
-  uint4 r;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-      : "l"(p));
-  return r;
-}
-__device__ __forceinline__ u32 word(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
-
-// The four A registers of step j from a chunk's three words.
-__device__ __forceinline__ void decode_step(u32 lg, u32 lg8, u32 hw, u32 kb, u32& a0, u32& a1, u32& a2, u32& a3) {
-  const u32 ha = (hw & HMASK) + kb, hb = (rotr(hw, 4) & HMASK) + kb;
-  a0 = prmt(lg, ha, 0x5140);   // row g, columns 4j, 4j+1
-  a1 = prmt(lg8, hb, 0x5140);  // row g+8
-  a2 = prmt(lg, ha, 0x7362);   // row g, columns 4j+2, 4j+3
-  a3 = prmt(lg8, hb, 0x7362);
-}
 
 extern "C" __global__ void __launch_bounds__((WARPS + EW) * 32, MIN_BLOCKS) glyd_mm(
     u16* __restrict__ y, const uint4* __restrict__ w, const u16* __restrict__ x, const u16* __restrict__ bias,

@@ -54,15 +54,19 @@ def test_cubins_are_cached_by_source_defines_and_arch(tmp_path, monkeypatch: pyt
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-@pytest.mark.parametrize("rows", [1, 16, 32, 64])
-@pytest.mark.parametrize("n", [4096, 24576])  # the two default builds: two or three blocks a multiprocessor
-def test_matmul_kernels_compile_without_spills(arch: str, rows: int, n: int) -> None:
+@pytest.mark.parametrize("rows", [1, 16, 32, 64, 128])
+@pytest.mark.parametrize(("n", "k"), [(4096, 4096), (6144, 4096), (24576, 4096), (4096, 12288)])  # Qwen3-8B's
+def test_matmul_kernels_compile_without_spills(arch: str, rows: int, n: int, k: int) -> None:
     from kernels import matmul_cuda
 
-    defines = matmul_cuda.defines(rows, matmul_cuda.default_config(rows, n))  # what a user's first start builds
-    cubin, log = nvrtc.compile_cubin(matmul_cuda.SOURCE, arch, defines, log_ptxas=True)
+    cfg = matmul_cuda.default_config(rows, n, 132, k)  # what a user's first start builds
+    if isinstance(cfg, matmul_cuda.WideConfig):
+        name, defines, kernels = matmul_cuda.WIDE_SOURCE, matmul_cuda.wide_defines(rows, cfg), ("glyd_mm_wide",)
+    else:
+        name, defines, kernels = matmul_cuda.SOURCE, matmul_cuda.defines(rows, cfg), matmul_cuda.KERNELS
+    cubin, log = nvrtc.compile_cubin(name, arch, defines, log_ptxas=True)
     assert cubin[:4] == b"\x7fELF"
-    for kernel in matmul_cuda.KERNELS:
+    for kernel in kernels:
         assert f"Compiling entry function '{kernel}'" in log, kernel
     assert all(" 0 bytes spill" in line for line in log.splitlines() if "spill stores" in line), log
     assert "warning" not in log.lower(), log

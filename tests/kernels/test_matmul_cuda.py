@@ -1,8 +1,9 @@
 """The CUDA Glyd matmul (kernels/matmul_cuda.py) against the torch reference (runs where a CUDA GPU is).
 
-The decode kernel returns every bf16 pattern bit for bit; the fused matmul is within bf16 tolerance of an fp32
-product for 1-64 rows, with escapes (zeros, outliers, an infinity), bias, one or two 16-row tiles of W a block and
-K in shares of 3-15 warps; it gives the same bits twice and under CUDA-graph replay.
+The decode kernel returns every bf16 pattern bit for bit; the fused matmuls are within bf16 tolerance of an fp32
+product for 1-128 rows, with escapes (zeros, outliers, an infinity, a row of escapes only), bias, one or two
+16-row tiles of W a block, K in shares of 3-15 warps or split between blocks; they give the same bits twice and
+under CUDA-graph replay.
 """
 
 from __future__ import annotations
@@ -64,19 +65,25 @@ def _check(x: torch.Tensor, w: torch.Tensor, got: torch.Tensor, bias: torch.Tens
 
 BUILDS_TO_16 = [(1, 3, 4, 2, 1), (2, 15, 2, 1, 1), (1, 7, 3, 1, 1), (1, 6, 2, 2, 2), (1, 5, 2, 2, 4)]
 BUILDS_TO_64 = [(1, 4, 2, 1, 1), (1, 6, 1, 1, 4), (1, 9, 2, 1, 2)]  # (tiles, warps, stages, min blocks, escape warps)
+WIDE_BUILDS = [(4, 2, 2, 3), (8, 3, 1, 2), (2, 4, 2, 5), (8, 4, 2, 1), (8, 3, 2, 2, 0), (4, 4, 2, 1, 0)]
+# (warps, stages, min blocks, K splits, mbarrier pipeline)
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 12, 16, 17, 24, 32, 40, 64])
-@pytest.mark.parametrize(("n", "k"), [(48, 128), (64, 256), (960, 576), (6144, 4096)])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 12, 16, 17, 24, 32, 40, 64, 65, 100, 128])
+@pytest.mark.parametrize(("n", "k"), [(48, 128), (64, 256), (960, 576), (6144, 4096), (272, 12288)])
 def test_matmul_matches_float64(m: int, n: int, k: int):
+    """Every build at every row count: 16-row tiles of W a block or a warp, K split between warps or blocks (the
+    splits' sums added by the last block), tile groups with idle warps, rows of x past M left unread."""
     mm = _mm()
     w = model_like(n, k, seed=m * 7 + n, outliers=0.004, zeros=0.002).to(DEV)
     w[1, 3] = float("inf")
+    w[n - 1, :] = 0.0  # a row of escapes only
     f = fw.from_bits(w)
     g = torch.Generator(device=DEV).manual_seed(m)
     x = (torch.randn(m, k, device=DEV, generator=g) * 0.5).to(torch.bfloat16)
     bias = (torch.randn(n, device=DEV, generator=g)).to(torch.bfloat16)
-    builds = [mm.Config(*b) for b in (BUILDS_TO_16 if m <= 16 else BUILDS_TO_64)]
+    builds = [mm.Config(*b) for b in (BUILDS_TO_16 if m <= 16 else BUILDS_TO_64 if m <= 64 else [])]
+    builds += [mm.WideConfig(*b) for b in WIDE_BUILDS if m > 8]
     for cfg in (None, *builds):
         got = mm.matmul(x, f, bias if cfg is None else None, cfg)
         assert got.shape == (m, n) and got.dtype == torch.bfloat16
@@ -105,6 +112,29 @@ def test_matmul_reads_rows_of_a_wider_tensor_and_replays_in_a_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out.view(torch.int16), first.view(torch.int16))
+
+
+def test_split_sums_replay_in_a_cuda_graph_with_the_same_bits():
+    """The wide kernel's last split block adds the sums and resets its counter: replays of one graph, and eager calls
+    between them, give the first call's bits."""
+    mm = _mm()
+    n, k, m = 512, 4096, 40
+    f = fw.from_bits(model_like(n, k, seed=5, outliers=0.004, zeros=0.002).to(DEV))
+    x = (torch.randn(m, k, device=DEV) * 0.5).to(torch.bfloat16)
+    cfg = mm.WideConfig(splits=4)
+    first = mm.matmul(x, f, None, cfg)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        mm.matmul(x, f, None, cfg)
+        with torch.cuda.graph(graph, stream=stream):
+            out = mm.matmul(x, f, None, cfg)
+    for _ in range(3):
+        graph.replay()
+        again = mm.matmul(x, f, None, cfg)
+        torch.cuda.synchronize()
+        assert torch.equal(out.view(torch.int16), first.view(torch.int16))
+        assert torch.equal(again.view(torch.int16), first.view(torch.int16))
 
 
 def test_rows_above_the_kernels_are_refused_with_the_alternative():
