@@ -273,7 +273,7 @@ class DeviceRuns:
             raise
         self.counters[0] = top // OVERFLOW_MIN_RUN
         self.counters[1] = 0
-        self.bound = top
+        self.bound = self.worst(top, self.reserved) if self.reserved else top  # as in `wait`
         self.arena_ref()
 
 

@@ -187,6 +187,8 @@ def matmul(x: torch.Tensor, f: FragmentWeight, bias: torch.Tensor | None = None,
     if isinstance(cfg, WideConfig):
         _wide(y, x, f, bias if has_bias else None, cfg)
         return y
+    if m > FUSED_ROWS:
+        raise ValueError(f"{m} rows: the streaming kernel (Config) takes up to {FUSED_ROWS}; use a WideConfig")
     blocks = n // TILE_ROWS // _tiles(m, n, cfg)
     kernels(m, cfg, x.device, n)["glyd_mm"](
         (blocks,), (32 * (cfg.warps + cfg.escape_warps),),
@@ -198,6 +200,9 @@ def matmul(x: torch.Tensor, f: FragmentWeight, bias: torch.Tensor | None = None,
 def _wide(y: torch.Tensor, x: torch.Tensor, f: FragmentWeight, bias: torch.Tensor | None, cfg: WideConfig) -> None:
     n, k = f.shape
     m = x.shape[0]
+    if f.colptr is None and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("a Glyd weight's colptr must be built before CUDA-graph capture "
+                           "(FragmentWeight.with_colptr)")
     f = f.with_colptr()
     splits = wide_splits(n, k, cfg, _multiprocessors(x.device.index or 0))
     groups = -(-n // (TILE_ROWS * cfg.warps))
@@ -208,7 +213,7 @@ def _wide(y: torch.Tensor, x: torch.Tensor, f: FragmentWeight, bias: torch.Tenso
          x.stride(0), f.lo, int(bias is not None)], smem=wide_smem(m, cfg))
 
 
-def preload(n: int, device: torch.device, k: int = 0) -> None:
+def preload(n: int, device: torch.device, k: int) -> None:
     """Compile and load the builds a weight of n rows (and k columns) runs (one a size class of x up to FUSED_ROWS,
     the decode) and its scratch now, at load time: a first load synchronizes the device, which a CUDA-graph capture
     must not see."""
@@ -216,12 +221,12 @@ def preload(n: int, device: torch.device, k: int = 0) -> None:
     for rows in (1, 9, 17, 33, 65):
         if rows > FUSED_ROWS:
             break
-        cfg = default_config(rows, n, sms, k or 4096)
+        cfg = default_config(rows, n, sms, k)
         if isinstance(cfg, WideConfig):
             wide_kernel(rows, cfg, device)
             top = min(FUSED_ROWS, 8 * x_tiles(rows))
             groups = -(-n // (TILE_ROWS * cfg.warps))
-            _scratch(device, wide_splits(n, max(k, 1), cfg, sms) * top * n, groups)
+            _scratch(device, wide_splits(n, k, cfg, sms) * top * n, groups)
         else:
             kernels(rows, cfg, device, n)
     kernels(1, Config(), device)

@@ -1,7 +1,8 @@
 // The Glyd matmul for 17-128 rows of x (sm_80+): y = x W^T (+ bias), W in the fragment-order weight code
 // (fragment_code.cuh, docs/format.md section 4.1). Compiled at run time by NVRTC (kernels/nvrtc.py) with -D MT (8-row
-// tiles of x: 2, 4, 8 or 16), WT (warps a block, each one 16-row tile of W), STAGES (chunks in the shared-memory ring)
-// and MIN_BLOCKS (blocks a multiprocessor).
+// tiles of x: 1, 2, 4, 8 or 16), WT (warps a block, each one 16-row tile of W), STAGES (chunks in the shared-memory
+// ring), MIN_BLOCKS (blocks a multiprocessor) and PIPE (1: the ring's stages handed over by mbarriers; 0: a block
+// barrier a chunk).
 //
 // Past 16 rows the kernel that gives each block one tile of W and all of K (matmul.cu) reads all of x once a block:
 // at 64 rows that is five times W's bytes through L2. Here a block's WT warps hold WT tiles side by side and share
@@ -39,7 +40,7 @@
 #define STAGE_BYTES (X_BYTES + W_BYTES)
 #define GROUP_CHUNKS 8  // colptr's column groups: 512 columns
 
-static_assert(MT == 2 || MT == 4 || MT == 8 || MT == 16, "9-16, 17-32, 33-64 or 65-128 rows of x");
+static_assert(MT == 1 || MT == 2 || MT == 4 || MT == 8 || MT == 16, "1-8, 9-16, 17-32, 33-64 or 65-128 rows of x");
 static_assert(STAGES >= 2 && STAGES <= 6, "2-6 ring stages");
 
 __device__ __forceinline__ u32 smem_u32(const void* p) {

@@ -70,3 +70,20 @@ def test_matmul_kernels_compile_without_spills(arch: str, rows: int, n: int, k: 
         assert f"Compiling entry function '{kernel}'" in log, kernel
     assert all(" 0 bytes spill" in line for line in log.splitlines() if "spill stores" in line), log
     assert "warning" not in log.lower(), log
+
+
+def test_every_kernel_source_and_header_ships_in_the_package() -> None:
+    """A wheel holds kernels/cuda's files only where pyproject's package data names them: a header left out would
+    make every first compile fail on a user's machine, not here (the tests run from the source tree)."""
+    import ast
+    import fnmatch
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    text = (root / "pyproject.toml").read_text()
+    section = text[text.index("[tool.setuptools.package-data]"):]
+    line = next(ln for ln in section.splitlines() if ln.startswith("kernels = "))
+    patterns = ast.literal_eval(line.split("=", 1)[1].strip())
+    files = [p.relative_to(root / "kernels").as_posix() for p in (root / "kernels" / "cuda").iterdir()]
+    assert files and any(f.endswith(".cuh") for f in files)
+    assert [f for f in files if not any(fnmatch.fnmatch(f, pat) for pat in patterns)] == []

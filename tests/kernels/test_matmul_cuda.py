@@ -83,7 +83,7 @@ def test_matmul_matches_float64(m: int, n: int, k: int):
     x = (torch.randn(m, k, device=DEV, generator=g) * 0.5).to(torch.bfloat16)
     bias = (torch.randn(n, device=DEV, generator=g)).to(torch.bfloat16)
     builds = [mm.Config(*b) for b in (BUILDS_TO_16 if m <= 16 else BUILDS_TO_64 if m <= 64 else [])]
-    builds += [mm.WideConfig(*b) for b in WIDE_BUILDS if m > 8]
+    builds += [mm.WideConfig(*b) for b in WIDE_BUILDS]
     for cfg in (None, *builds):
         got = mm.matmul(x, f, bias if cfg is None else None, cfg)
         assert got.shape == (m, n) and got.dtype == torch.bfloat16
@@ -142,3 +142,5 @@ def test_rows_above_the_kernels_are_refused_with_the_alternative():
     f = fw.from_bits(model_like(16, 64, seed=1)).to(DEV)
     with pytest.raises(ValueError, match="decode once"):
         mm.matmul(torch.zeros(mm.MAX_ROWS + 1, 64, dtype=torch.bfloat16, device=DEV), f)
+    with pytest.raises(ValueError, match="use a WideConfig"):
+        mm.matmul(torch.zeros(mm.FUSED_ROWS + 1, 64, dtype=torch.bfloat16, device=DEV), f, None, mm.Config())
