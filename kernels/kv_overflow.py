@@ -244,10 +244,13 @@ class DeviceRuns:
         if not misses_expected:
             _no_misses(missed)
         self._epoch, self._since = 0, []
-        self.bound = top * OVERFLOW_MIN_RUN
-        if self.reserved:  # a reserved write not launched yet runs after this top: it stays counted
-            self.bound = self.worst(self.bound, self.reserved)
+        self._exact(top * OVERFLOW_MIN_RUN)
         return top * OVERFLOW_MIN_RUN, missed
+
+    def _exact(self, top: int) -> None:
+        """The bound from the device's exact top (entries); a reserved write not launched yet runs after that top,
+        so it stays counted."""
+        self.bound = self.worst(top, self.reserved) if self.reserved else top
 
     def make_room(self, tokens: int, extra: int = 0) -> None:
         """After `wait`: compact into a larger arena if a write of `tokens` (bounded by HEADROOM_TOKENS) and `extra`
@@ -273,7 +276,7 @@ class DeviceRuns:
             raise
         self.counters[0] = top // OVERFLOW_MIN_RUN
         self.counters[1] = 0
-        self.bound = self.worst(top, self.reserved) if self.reserved else top  # as in `wait`
+        self._exact(top)
         self.arena_ref()
 
 

@@ -94,10 +94,15 @@ def wide_smem(rows: int, cfg: WideConfig) -> int:
     return cfg.stages * (x_tiles(rows) * 8 * 128 + cfg.warps * 1536)
 
 
+def wide_groups(n: int, cfg: WideConfig) -> int:
+    """Tile groups of W (a block each, per K split): `cfg.warps` 16-row tiles a group."""
+    return -(-n // (TILE_ROWS * cfg.warps))
+
+
 def wide_splits(n: int, k: int, cfg: WideConfig, sms: int) -> int:
     """Blocks K is split between: enough for the tile groups to fill the GPU's block slots, each split at least two
     512-column groups (fewer sums to add, a ring that fills)."""
-    groups = -(-n // (TILE_ROWS * cfg.warps))
+    groups = wide_groups(n, cfg)
     col_groups = -(-k // fw.GROUP_COLS)
     if cfg.splits:
         return max(1, min(cfg.splits, col_groups))
@@ -205,7 +210,7 @@ def _wide(y: torch.Tensor, x: torch.Tensor, f: FragmentWeight, bias: torch.Tenso
                            "(FragmentWeight.with_colptr)")
     f = f.with_colptr()
     splits = wide_splits(n, k, cfg, _multiprocessors(x.device.index or 0))
-    groups = -(-n // (TILE_ROWS * cfg.warps))
+    groups = wide_groups(n, cfg)
     part, count = _scratch(x.device, splits * m * n if splits > 1 else 0, groups)
     wide_kernel(m, cfg, x.device)(
         (groups, splits), (32 * cfg.warps,),
@@ -225,8 +230,7 @@ def preload(n: int, device: torch.device, k: int) -> None:
         if isinstance(cfg, WideConfig):
             wide_kernel(rows, cfg, device)
             top = min(FUSED_ROWS, 8 * x_tiles(rows))
-            groups = -(-n // (TILE_ROWS * cfg.warps))
-            _scratch(device, wide_splits(n, k, cfg, sms) * top * n, groups)
+            _scratch(device, wide_splits(n, k, cfg, sms) * top * n, wide_groups(n, cfg))
         else:
             kernels(rows, cfg, device, n)
     kernels(1, Config(), device)
