@@ -35,18 +35,19 @@ from kernels import resident_linear as rl  # noqa: E402
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 24576), "down": (12288, 4096)}  # K -> N
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 PREFILL_ROWS = 512
-_C, _W = mc.Config, mc.WideConfig
+_C, _W, _G = mc.Config, mc.WideConfig, mc.WgmmaConfig
 CUDA_SWEEP = {  # other builds, by 8-row tiles of x: 1-8 rows, 9-16, 17-32, 33-64, 65-128
-    # Config: (tiles, warps, stages, min_blocks, escape warps); WideConfig: (warps, stages, min_blocks, K splits, pipe)
+    # Config: (tiles, warps, stages, min_blocks, escape warps); WideConfig: (warps, stages, min_blocks, K splits, pipe);
+    # WgmmaConfig (Hopper): (warpgroups, stages, min_blocks, K splits)
     1: [_C(1, 14, 2, 2, 2), _C(1, 8, 2, 2, 2), _C(1, 12, 2, 2, 4), _C(1, 8, 2, 2, 4), _C(1, 6, 2, 3, 2),
         _C(1, 7, 2, 3, 2), _C(1, 8, 2, 2, 1), _C(1, 7, 2, 3, 1), _C(2, 7, 2, 2, 1)],
     2: [_C(1, 7, 2, 2, 2), _C(1, 6, 2, 3, 2), _C(1, 7, 2, 2, 4), _C(1, 4, 2, 3, 4), _C(1, 8, 2, 2, 4),
-        _C(1, 5, 2, 3, 2), _C(1, 7, 2, 3, 1), _C(2, 7, 2, 2, 1), _W(8, 4, 2, 0), _W(4, 4, 3, 0)],
-    4: [_C(1, 4, 2, 2, 2), _W(8, 3, 2, 0), _W(4, 4, 2, 0), _W(4, 4, 4, 0), _W(8, 4, 2, 0), _W(8, 4, 3, 0),
-        _W(8, 4, 2, 4), _W(4, 4, 4, 0, 0), _W(8, 4, 3, 0, 0), _W(8, 3, 2, 0, 0)],
-    8: [_C(1, 6, 1, 1, 4), _W(8, 3, 2, 0), _W(8, 4, 2, 0), _W(4, 4, 2, 0), _W(4, 3, 3, 0), _W(8, 4, 2, 2),
-        _W(8, 4, 2, 4), _W(8, 3, 2, 0, 0), _W(4, 4, 2, 0, 0)],
-    16: [_W(4, 4, 2, 0), _W(8, 3, 1, 0), _W(4, 3, 2, 0), _W(8, 4, 1, 2), _W(4, 4, 2, 0, 0)]}
+        _C(1, 5, 2, 3, 2), _C(1, 7, 2, 3, 1), _C(2, 7, 2, 2, 1), _W(8, 4, 2, 0), _W(4, 4, 3, 0), _G(1, 4, 3),
+        _G(2, 4, 2)],
+    4: [_C(1, 4, 2, 2, 2), _W(8, 3, 2, 0), _W(4, 4, 4, 0, 0), _G(1, 4, 3), _G(1, 5, 3), _G(2, 4, 2), _G(1, 4, 4)],
+    8: [_C(1, 6, 1, 1, 4), _W(8, 3, 2, 0), _W(4, 3, 3, 0), _G(1, 4, 3), _G(1, 5, 3), _G(2, 4, 2), _G(1, 3, 4),
+        _G(2, 3, 2)],
+    16: [_W(4, 4, 2, 0), _W(8, 3, 1, 0), _G(1, 3, 3), _G(1, 4, 2), _G(2, 4, 1), _G(2, 3, 2)]}
 ROTATE_BYTES = 320 << 20  # more than twice the H200's L2
 EMBEDDING = (151936, 4096)  # Qwen3-8B's vocabulary x hidden size
 LOG: dict[str, object] = {}
@@ -100,11 +101,13 @@ def copy_bandwidth(dev: str) -> float:
     return 2 * n / ms / 1e9
 
 
-def cuda_configs(sweep: bool, m: int, n: int, k: int) -> list[mc.Config | mc.WideConfig]:
-    """The default build first, then (with --cuda-sweep) the others."""
-    out = [mc.default_config(m, n, torch.cuda.get_device_properties(0).multi_processor_count, k)]
+def cuda_configs(sweep: bool, m: int, n: int, k: int) -> list[mc.Config | mc.WideConfig | mc.WgmmaConfig]:
+    """The default build first, then (with --cuda-sweep) the others (Hopper's warpgroup-MMA builds on Hopper only)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    out = [mc.default_config(m, n, sms, k, mc.has_wgmma(0))]
     if sweep:
-        out += [cfg for cfg in CUDA_SWEEP[mc.x_tiles(m)] if cfg not in out]
+        out += [cfg for cfg in CUDA_SWEEP[mc.x_tiles(m)] + [mc.default_config(m, n, sms, k)]
+                if cfg not in out and (mc.has_wgmma(0) or not isinstance(cfg, mc.WgmmaConfig))]
     return out
 
 

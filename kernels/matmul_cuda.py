@@ -24,8 +24,10 @@ from kernels import nvrtc
 SOURCE = "matmul.cu"
 KERNELS = ("glyd_mm", "glyd_mm_decode", "glyd_mm_patch", "glyd_mm_gather")
 WIDE_SOURCE = "matmul_wide.cu"
+WGMMA_SOURCE = "matmul_wgmma.cu"  # Hopper only (sm_90a)
 MAX_ROWS = 128  # rows of x the kernels take: 8-row MMA tiles of x, 1-16 of them
 FUSED_ROWS = 64  # up to this many rows the layer runs the kernels; more decode once and use the bf16 GEMM
+WGMMA_WEIGHTS = 24 << 20  # on Hopper, W of at least this many weights runs the warpgroup-MMA kernel past 32 rows
 
 
 @dataclass(frozen=True)
@@ -48,14 +50,35 @@ class WideConfig:
     pipe: int = 1  # 1: the ring's stages handed over by mbarriers; 0: a block barrier a chunk
 
 
-def default_config(rows: int, n: int = 0, sms: int = 132, k: int = 4096) -> Config | WideConfig:
+@dataclass(frozen=True)
+class WgmmaConfig:
+    """The kernel past 16 rows of x on Hopper (matmul_wgmma.cu): W decoded into the A registers of warpgroup MMAs."""
+
+    warpgroups: int = 1  # warpgroups a block, each 64 rows of W, sharing x's chunks
+    stages: int = 4  # chunks of x and W in the shared-memory ring
+    min_blocks: int = 3  # blocks a multiprocessor (the register budget)
+    splits: int = 0  # blocks K is split between (0: `wide_splits`)
+
+    @property
+    def warps(self) -> int:
+        return 4 * self.warpgroups
+
+
+Wide = WideConfig | WgmmaConfig
+
+
+def default_config(rows: int, n: int = 0, sms: int = 132, k: int = 4096,
+                   wgmma: bool = False) -> Config | WideConfig | WgmmaConfig:
     """The H200's best of bench/gpu_linear.py's sweeps (docs/benchmarks.md) for W of n rows and k columns. Up to 16
     rows of x, where W has at most two 16-row tiles a multiprocessor, more streaming warps a block (each a shorter
     share of K), and for 9-16 rows four escape warps (their walk is the longer there), else 8 or 6 streaming warps
     and two escape warps. 17-32 rows: the streaming kernel on such a W when K is short, else the wide one with 8
-    tiles a block; 33-64 rows the wide one with 4 tiles a block, three blocks a multiprocessor. Every default
-    compiles without spills (tests/kernels/test_kv_cuda_build.py)."""
+    tiles a block; 33-64 rows the wide one with 4 tiles a block, three blocks a multiprocessor. On Hopper (`wgmma`)
+    W of WGMMA_WEIGHTS or more takes the warpgroup-MMA kernel for 33-128 rows. Every default compiles without
+    spills (tests/kernels/test_kv_cuda_build.py)."""
     few_tiles = n // TILE_ROWS <= 2 * sms
+    if wgmma and rows > 32 and n * k >= WGMMA_WEIGHTS:
+        return WgmmaConfig(warpgroups=1, stages=3, min_blocks=4 if rows <= 64 and k > 4096 else 3)
     if rows > 64:
         return WideConfig(warps=4, stages=4, min_blocks=2)
     if rows > 32:
@@ -67,6 +90,12 @@ def default_config(rows: int, n: int = 0, sms: int = 132, k: int = 4096) -> Conf
         return Config(tiles=1, warps=14 if few_tiles else 8, min_blocks=2, escape_warps=2)
     return Config(tiles=1, warps=8, min_blocks=2, escape_warps=4) if few_tiles else \
         Config(tiles=1, warps=6, min_blocks=3, escape_warps=2)
+
+
+def fused_rows(n: int, k: int, device: int) -> int:
+    """Rows of x up to which a layer with W of n x k runs the fused kernels (more: decode once, then the bf16 GEMM).
+    On Hopper the warpgroup-MMA kernel beats decoding up to 128 rows for W of WGMMA_WEIGHTS or more."""
+    return MAX_ROWS if n * k >= WGMMA_WEIGHTS and has_wgmma(device) else FUSED_ROWS
 
 
 def _tiles(rows: int, n: int, cfg: Config) -> int:
@@ -94,12 +123,21 @@ def wide_smem(rows: int, cfg: WideConfig) -> int:
     return cfg.stages * (x_tiles(rows) * 8 * 128 + cfg.warps * 1536)
 
 
-def wide_groups(n: int, cfg: WideConfig) -> int:
+def wgmma_defines(rows: int, cfg: WgmmaConfig) -> dict[str, int]:
+    return {"MT": x_tiles(rows), "WG": cfg.warpgroups, "STAGES": cfg.stages, "MIN_BLOCKS": cfg.min_blocks}
+
+
+def wgmma_smem(rows: int, cfg: WgmmaConfig) -> int:
+    """Bytes of the ring, as wide_smem's, and a kilobyte to align it to the swizzle atoms."""
+    return cfg.stages * (x_tiles(rows) * 8 * 128 + cfg.warps * 1536) + 1024
+
+
+def wide_groups(n: int, cfg: Wide) -> int:
     """Tile groups of W (a block each, per K split): `cfg.warps` 16-row tiles a group."""
     return -(-n // (TILE_ROWS * cfg.warps))
 
 
-def wide_splits(n: int, k: int, cfg: WideConfig, sms: int) -> int:
+def wide_splits(n: int, k: int, cfg: Wide, sms: int) -> int:
     """Blocks K is split between: enough for the tile groups to fill the GPU's block slots, each split at least two
     512-column groups (fewer sums to add, a ring that fills)."""
     groups = wide_groups(n, cfg)
@@ -122,12 +160,31 @@ def _wide_module(defs: tuple[tuple[str, int], ...], smem: int, device: int) -> n
     return kernel
 
 
+@functools.lru_cache(maxsize=32)
+def _wgmma_module(defs: tuple[tuple[str, int], ...], smem: int, device: int) -> nvrtc.Kernel:
+    kernel = nvrtc.load(WGMMA_SOURCE, dict(defs), ("glyd_mm_wgmma",), device, arch="sm_90a")["glyd_mm_wgmma"]
+    nvrtc.set_max_smem(kernel, smem)
+    return kernel
+
+
+@functools.lru_cache(maxsize=8)
+def has_wgmma(device: int) -> bool:
+    """Whether the device runs matmul_wgmma.cu: Hopper (sm_90), whose warpgroup MMA no other architecture has."""
+    return torch.cuda.get_device_capability(device) == (9, 0)
+
+
 def kernels(rows: int, cfg: Config, device: torch.device, n: int = TILE_ROWS * 2) -> dict:
     return _module(tuple(sorted(defines(rows, cfg, n).items())), device.index or 0)
 
 
-def wide_kernel(rows: int, cfg: WideConfig, device: torch.device) -> nvrtc.Kernel:
+def wide_kernel(rows: int, cfg: Wide, device: torch.device) -> nvrtc.Kernel:
+    if isinstance(cfg, WgmmaConfig):
+        return _wgmma_module(tuple(sorted(wgmma_defines(rows, cfg).items())), wgmma_smem(rows, cfg), device.index or 0)
     return _wide_module(tuple(sorted(wide_defines(rows, cfg).items())), wide_smem(rows, cfg), device.index or 0)
+
+
+def wide_smem_of(rows: int, cfg: Wide) -> int:
+    return wgmma_smem(rows, cfg) if isinstance(cfg, WgmmaConfig) else wide_smem(rows, cfg)
 
 
 class _Scratch:
@@ -175,7 +232,7 @@ def _check_x(x: torch.Tensor, cols: int) -> None:
 
 
 def matmul(x: torch.Tensor, f: FragmentWeight, bias: torch.Tensor | None = None,
-           cfg: Config | WideConfig | None = None) -> torch.Tensor:
+           cfg: Config | WideConfig | WgmmaConfig | None = None) -> torch.Tensor:
     """y = x @ W.T (+ bias), bf16 [M, N], for x bf16 [M <= 128, K] on W's device."""
     n, k = f.shape
     _check_x(x, k)
@@ -185,11 +242,12 @@ def matmul(x: torch.Tensor, f: FragmentWeight, bias: torch.Tensor | None = None,
         return y
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:  # rows are read as 16-byte vectors
         x = x.contiguous()
-    cfg = cfg or default_config(m, n, _multiprocessors(x.device.index or 0), k)
+    dev = x.device.index or 0
+    cfg = cfg or default_config(m, n, _multiprocessors(dev), k, has_wgmma(dev))
     has_bias = bias is not None
     if has_bias and (bias.dtype != torch.bfloat16 or bias.numel() != n):
         bias = bias.to(torch.bfloat16).reshape(n)
-    if isinstance(cfg, WideConfig):
+    if isinstance(cfg, WideConfig | WgmmaConfig):
         _wide(y, x, f, bias if has_bias else None, cfg)
         return y
     if m > FUSED_ROWS:
@@ -202,7 +260,7 @@ def matmul(x: torch.Tensor, f: FragmentWeight, bias: torch.Tensor | None = None,
     return y
 
 
-def _wide(y: torch.Tensor, x: torch.Tensor, f: FragmentWeight, bias: torch.Tensor | None, cfg: WideConfig) -> None:
+def _wide(y: torch.Tensor, x: torch.Tensor, f: FragmentWeight, bias: torch.Tensor | None, cfg: Wide) -> None:
     n, k = f.shape
     m = x.shape[0]
     if f.colptr is None and torch.cuda.is_current_stream_capturing():
@@ -215,21 +273,22 @@ def _wide(y: torch.Tensor, x: torch.Tensor, f: FragmentWeight, bias: torch.Tenso
     wide_kernel(m, cfg, x.device)(
         (groups, splits), (32 * cfg.warps,),
         [y, f.data, x, y if bias is None else bias.contiguous(), f.rowptr, f.colptr, f.esc, part, count, m, n, k,
-         x.stride(0), f.lo, int(bias is not None)], smem=wide_smem(m, cfg))
+         x.stride(0), f.lo, int(bias is not None)], smem=wide_smem_of(m, cfg))
 
 
 def preload(n: int, device: torch.device, k: int) -> None:
-    """Compile and load the builds a weight of n rows (and k columns) runs (one a size class of x up to FUSED_ROWS,
+    """Compile and load the builds a weight of n rows (and k columns) runs (one a size class of x up to fused_rows,
     the decode) and its scratch now, at load time: a first load synchronizes the device, which a CUDA-graph capture
     must not see."""
-    sms = _multiprocessors(device.index or 0)
+    dev = device.index or 0
+    sms, fused = _multiprocessors(dev), fused_rows(n, k, dev)
     for rows in (1, 9, 17, 33, 65):
-        if rows > FUSED_ROWS:
+        if rows > fused:
             break
-        cfg = default_config(rows, n, sms, k)
-        if isinstance(cfg, WideConfig):
+        cfg = default_config(rows, n, sms, k, has_wgmma(dev))
+        if isinstance(cfg, WideConfig | WgmmaConfig):
             wide_kernel(rows, cfg, device)
-            top = min(FUSED_ROWS, 8 * x_tiles(rows))
+            top = min(fused, 8 * x_tiles(rows))
             _scratch(device, wide_splits(n, k, cfg, sms) * top * n, wide_groups(n, cfg))
         else:
             kernels(rows, cfg, device, n)
@@ -261,4 +320,5 @@ def gather_rows(f: FragmentWeight, ids: torch.Tensor) -> torch.Tensor:
     return out
 
 
-__all__ = ["MAX_ROWS", "Config", "WideConfig", "decode", "default_config", "gather_rows", "matmul", "preload"]
+__all__ = ["MAX_ROWS", "Config", "WgmmaConfig", "WideConfig", "decode", "default_config", "gather_rows", "matmul",
+           "preload"]

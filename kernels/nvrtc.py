@@ -169,13 +169,15 @@ def device_arch(device: int | None = None) -> str:
     return f"sm_{major}{minor}"
 
 
-def load(name: str, defines: dict[str, int], kernels: Sequence[str], device: int | None = None) -> dict[str, Kernel]:
-    """The named kernels of kernels/cuda/<name> built with `defines`, loaded on the current CUDA device."""
+def load(name: str, defines: dict[str, int], kernels: Sequence[str], device: int | None = None,
+         arch: str | None = None) -> dict[str, Kernel]:
+    """The named kernels of kernels/cuda/<name> built with `defines`, loaded on the current CUDA device (compiled for
+    its architecture, or `arch`: "sm_90a" for Hopper's architecture-specific instructions)."""
     import torch
     from cuda.bindings import driver
 
     dev = torch.cuda.current_device() if device is None else device
-    arch = device_arch(dev)
+    arch = arch or device_arch(dev)
     key = (dev, cache_key(name, arch, defines))
     with _lock:
         module = _modules.get(key)

@@ -117,14 +117,15 @@ def _(ids: torch.Tensor, sm: torch.Tensor, offs: torch.Tensor, esc_pos: torch.Te
 @torch.library.custom_op("glyd::fragment_linear", mutates_args=())
 def fragment_linear(x: torch.Tensor, data: torch.Tensor, rowptr: torch.Tensor, esc: torch.Tensor, colptr: torch.Tensor,
                     lo: int, rows: int, cols: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ W.T (+ bias), W in the fragment layout. CUDA: the CUDA matmul for up to FUSED_ROWS (64) rows of x, else its
-    decode + vLLM's GEMM. CPU: the layout's torch decode + vLLM's GEMM (the bf16 model's bits; how the tests run it)."""
+    """x @ W.T (+ bias), W in the fragment layout. CUDA: the CUDA matmul for up to `fused_rows` (64, on Hopper 128 for
+    large W) rows of x, else its decode + vLLM's GEMM. CPU: the layout's torch decode + vLLM's GEMM (the bf16 model's
+    bits; how the tests run it)."""
     f = fw.FragmentWeight((rows, cols), data, lo, rowptr, esc, colptr)
     if x.is_cuda:
         from kernels import matmul_cuda as kernel
 
         flat = x.reshape(-1, cols)
-        if flat.shape[0] <= kernel.FUSED_ROWS:
+        if flat.shape[0] <= kernel.fused_rows(rows, cols, flat.device.index or 0):
             return kernel.matmul(flat, f, bias).reshape(*x.shape[:-1], rows)
         return dense_gemm(x, kernel.decode(f), bias)
     return dense_gemm(x, fw.decode(f), bias)

@@ -18,6 +18,8 @@
 // 2 MT sums it holds for that row. The walk costs a compare a row a chunk when a chunk holds none of the row's escapes.
 
 #include "fragment_code.cuh"
+#include "async_copy.cuh"
+#include "split_sum.cuh"
 
 #ifndef MT
 #define MT 8
@@ -43,34 +45,6 @@
 static_assert(MT == 1 || MT == 2 || MT == 4 || MT == 8 || MT == 16, "1-8, 9-16, 17-32, 33-64 or 65-128 rows of x");
 static_assert(STAGES >= 2 && STAGES <= 6, "2-6 ring stages");
 
-__device__ __forceinline__ u32 smem_u32(const void* p) {
-  u32 r;
-  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
-  return r;
-}
-__device__ __forceinline__ void cp16(u32 dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src));
-}
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;"); }
-// the barrier at `bar` (shared address) counts one arrival when this thread's copies so far have landed
-__device__ __forceinline__ void cp_arrive(u32 bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(u32 bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("{ .reg .pred p; WAIT_%=: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1; @!p bra WAIT_%=; }"
-               ::"r"(bar), "r"(parity) : "memory");
-#else
-  asm volatile("{ .reg .pred p; WAIT_%=: mbarrier.test_wait.parity.shared::cta.b64 p, [%0], %1; @!p bra WAIT_%=; }"
-               ::"r"(bar), "r"(parity) : "memory");
-#endif
-}
 __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2)); }
 // byte offset of x[m][col] in a stage (col < 64): unit col / 8 of row m, flipped by m's parity so that the eight
 // lanes of a 16-byte load phase (rows g, g + 1; units 2t (+1)) hit eight different bank groups
@@ -219,62 +193,5 @@ extern "C" __global__ void __launch_bounds__(WT * 32, MIN_BLOCKS) glyd_mm_wide(
   }
 #endif
 
-  // C[g + 8h][2t + r] of x-row tile mt is y[8 mt + 2t + r][16 tile + g + 8h]
-  if (S == 1) {
-    if (!live) return;
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int m = 8 * mt + 2 * t + (i & 1), row = 16 * tile + g + 8 * (i >> 1);
-        if (m < M) y[size_t(m) * N + row] = to_bf16(acc[mt][i] + (has_bias ? bf(bias[row]) : 0.f));
-      }
-    return;
-  }
-  if (live) {
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int m = 8 * mt + 2 * t + (i & 1), row = 16 * tile + g + 8 * (i >> 1);
-        if (m < M) part[(size_t(s) * M + m) * N + row] = acc[mt][i];
-      }
-  }
-  __threadfence();
-  __syncthreads();
-  __shared__ int last;
-  if (threadIdx.x == 0) last = atomicAdd(count + blockIdx.x, 1) == S - 1;
-  __syncthreads();
-  if (!last) return;
-  __threadfence();  // the other splits' sums, published before their counts, are visible from here
-  // four rows a thread a round, ROUNDS rounds' loads issued before their sums (each an L2 round trip otherwise)
-  constexpr int ROUNDS = 4;
-  const int row0 = 16 * blockIdx.x * WT, quads = min(16 * WT, N - row0) >> 2;
-  for (int idx0 = threadIdx.x; idx0 < M * quads; idx0 += ROUNDS * WT * 32) {
-    float4 v[ROUNDS];
-#pragma unroll
-    for (int r = 0; r < ROUNDS; ++r) v[r] = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int si = 0; si < S; ++si) {
-      float4 p[ROUNDS];
-#pragma unroll
-      for (int r = 0; r < ROUNDS; ++r) {
-        const int idx = idx0 + r * WT * 32, m = idx / quads, row = row0 + 4 * (idx % quads);
-        p[r] = idx < M * quads ? __ldcg(reinterpret_cast<const float4*>(part + (size_t(si) * M + m) * N + row))
-                               : make_float4(0.f, 0.f, 0.f, 0.f);
-      }
-#pragma unroll
-      for (int r = 0; r < ROUNDS; ++r) v[r].x += p[r].x, v[r].y += p[r].y, v[r].z += p[r].z, v[r].w += p[r].w;
-    }
-#pragma unroll
-    for (int r = 0; r < ROUNDS; ++r) {
-      const int idx = idx0 + r * WT * 32, m = idx / quads, row = row0 + 4 * (idx % quads);
-      if (idx >= M * quads) continue;
-      const float b[4] = {has_bias ? bf(bias[row]) : 0.f, has_bias ? bf(bias[row + 1]) : 0.f,
-                          has_bias ? bf(bias[row + 2]) : 0.f, has_bias ? bf(bias[row + 3]) : 0.f};
-      const u32 lo2 = u32(to_bf16(v[r].x + b[0])) | u32(to_bf16(v[r].y + b[1])) << 16;
-      const u32 hi2 = u32(to_bf16(v[r].z + b[2])) | u32(to_bf16(v[r].w + b[3])) << 16;
-      *reinterpret_cast<uint2*>(y + size_t(m) * N + row) = make_uint2(lo2, hi2);
-    }
-  }
-  if (threadIdx.x == 0) count[blockIdx.x] = 0;  // ready for the next launch (a CUDA graph replays this one)
+  finish_tiles<MT, WT>(acc, live, tile, y, bias, part, count, M, N, has_bias);
 }

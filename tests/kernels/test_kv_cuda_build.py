@@ -53,14 +53,19 @@ def test_cubins_are_cached_by_source_defines_and_arch(tmp_path, monkeypatch: pyt
     assert len(list((tmp_path / "cache" / "kernels").glob("*.cubin"))) == 3
 
 
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90", "sm_90a"])
 @pytest.mark.parametrize("rows", [1, 16, 32, 64, 128])
 @pytest.mark.parametrize(("n", "k"), [(4096, 4096), (6144, 4096), (24576, 4096), (4096, 12288)])  # Qwen3-8B's
 def test_matmul_kernels_compile_without_spills(arch: str, rows: int, n: int, k: int) -> None:
+    """What a user's first start builds: on sm_90 (H100, H200) past 16 rows the warpgroup-MMA kernel, for sm_90a."""
     from kernels import matmul_cuda
 
-    cfg = matmul_cuda.default_config(rows, n, 132, k)  # what a user's first start builds
-    if isinstance(cfg, matmul_cuda.WideConfig):
+    cfg = matmul_cuda.default_config(rows, n, 132, k, wgmma=arch == "sm_90a")
+    if arch == "sm_90a" and not isinstance(cfg, matmul_cuda.WgmmaConfig):
+        pytest.skip("Hopper runs the sm_90 builds for this shape and row count")
+    if isinstance(cfg, matmul_cuda.WgmmaConfig):
+        name, defines, kernels = matmul_cuda.WGMMA_SOURCE, matmul_cuda.wgmma_defines(rows, cfg), ("glyd_mm_wgmma",)
+    elif isinstance(cfg, matmul_cuda.WideConfig):
         name, defines, kernels = matmul_cuda.WIDE_SOURCE, matmul_cuda.wide_defines(rows, cfg), ("glyd_mm_wide",)
     else:
         name, defines, kernels = matmul_cuda.SOURCE, matmul_cuda.defines(rows, cfg), matmul_cuda.KERNELS

@@ -67,6 +67,8 @@ BUILDS_TO_16 = [(1, 3, 4, 2, 1), (2, 15, 2, 1, 1), (1, 7, 3, 1, 1), (1, 6, 2, 2,
 BUILDS_TO_64 = [(1, 4, 2, 1, 1), (1, 6, 1, 1, 4), (1, 9, 2, 1, 2)]  # (tiles, warps, stages, min blocks, escape warps)
 WIDE_BUILDS = [(4, 2, 2, 3), (8, 3, 1, 2), (2, 4, 2, 5), (8, 4, 2, 1), (8, 3, 2, 2, 0), (4, 4, 2, 1, 0)]
 # (warps, stages, min blocks, K splits, mbarrier pipeline)
+WGMMA_BUILDS = [(1, 4, 3, 0), (2, 3, 2, 0), (1, 3, 1, 5), (2, 4, 1, 2), (1, 6, 1, 1)]
+# (warpgroups, stages, min blocks, K splits): Hopper only
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 12, 16, 17, 24, 32, 40, 64, 65, 100, 128])
@@ -84,6 +86,7 @@ def test_matmul_matches_float64(m: int, n: int, k: int):
     bias = (torch.randn(n, device=DEV, generator=g)).to(torch.bfloat16)
     builds = [mm.Config(*b) for b in (BUILDS_TO_16 if m <= 16 else BUILDS_TO_64 if m <= 64 else [])]
     builds += [mm.WideConfig(*b) for b in WIDE_BUILDS]
+    builds += [mm.WgmmaConfig(*b) for b in WGMMA_BUILDS if mm.has_wgmma(0)]
     for cfg in (None, *builds):
         got = mm.matmul(x, f, bias if cfg is None else None, cfg)
         assert got.shape == (m, n) and got.dtype == torch.bfloat16
@@ -114,14 +117,17 @@ def test_matmul_reads_rows_of_a_wider_tensor_and_replays_in_a_cuda_graph():
         assert torch.equal(out.view(torch.int16), first.view(torch.int16))
 
 
-def test_split_sums_replay_in_a_cuda_graph_with_the_same_bits():
-    """The wide kernel's last split block adds the sums and resets its counter: replays of one graph, and eager calls
+@pytest.mark.parametrize("kind", ["wide", "wgmma"])
+def test_split_sums_replay_in_a_cuda_graph_with_the_same_bits(kind: str):
+    """The wide kernels' last split block adds the sums and resets its counter: replays of one graph, and eager calls
     between them, give the first call's bits."""
     mm = _mm()
+    if kind == "wgmma" and not mm.has_wgmma(0):
+        pytest.skip("the warpgroup-MMA kernel runs on Hopper only")
     n, k, m = 512, 4096, 40
     f = fw.from_bits(model_like(n, k, seed=5, outliers=0.004, zeros=0.002).to(DEV))
     x = (torch.randn(m, k, device=DEV) * 0.5).to(torch.bfloat16)
-    cfg = mm.WideConfig(splits=4)
+    cfg = mm.WideConfig(splits=4) if kind == "wide" else mm.WgmmaConfig(splits=4)
     first = mm.matmul(x, f, None, cfg)
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
