@@ -7,6 +7,7 @@ typedef unsigned short u16;
 
 #define CHUNK_U4 96u  // 16-byte units of a (16-row tile, 64-column chunk): planes L(g), L(g+8), H; 32 lanes each
 #define HMASK 0x87878787u
+#define GROUP_CHUNKS 8  // colptr's column groups (format/fragment_weight.py GROUP_COLS): 512 columns
 
 __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 s) {
   u32 r;

@@ -45,7 +45,6 @@
 // block a multiprocessor and the compiler's recomputation is faster)
 #define KEEP_OFFSETS (MT <= 8)
 #define AHEAD (STAGES - 2)  // chunks loaded ahead of the one the MMAs read (one more is in flight in the MMAs)
-#define GROUP_CHUNKS 8      // colptr's column groups: 512 columns
 
 static_assert(MT == 1 || MT == 2 || MT == 4 || MT == 8 || MT == 16, "1-8, 9-16, 17-32, 33-64 or 65-128 rows of x");
 static_assert(STAGES >= 3 && STAGES <= 6, "3-6 ring stages");

@@ -40,7 +40,6 @@
 #define X_BYTES (XROWS * 128)  // a stage's x: XROWS rows x 64 bf16 columns, 16-byte units swizzled by row parity
 #define W_BYTES (WT * 1536)    // a stage's W: each warp's (tile, chunk), lane-major as in global memory
 #define STAGE_BYTES (X_BYTES + W_BYTES)
-#define GROUP_CHUNKS 8  // colptr's column groups: 512 columns
 
 static_assert(MT == 1 || MT == 2 || MT == 4 || MT == 8 || MT == 16, "1-8, 9-16, 17-32, 33-64 or 65-128 rows of x");
 static_assert(STAGES >= 2 && STAGES <= 6, "2-6 ring stages");
