@@ -106,8 +106,9 @@ def cuda_configs(sweep: bool, m: int, n: int, k: int) -> list[mc.Config | mc.Wid
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     out = [mc.default_config(m, n, sms, k, mc.has_wgmma(0))]
     if sweep:
-        out += [cfg for cfg in CUDA_SWEEP[mc.x_tiles(m)] + [mc.default_config(m, n, sms, k)]
-                if cfg not in out and (mc.has_wgmma(0) or not isinstance(cfg, mc.WgmmaConfig))]
+        for cfg in CUDA_SWEEP[mc.x_tiles(m)] + [mc.default_config(m, n, sms, k)]:
+            if cfg not in out and (mc.has_wgmma(0) or not isinstance(cfg, mc.WgmmaConfig)):
+                out.append(cfg)
     return out
 
 
@@ -203,7 +204,7 @@ def main() -> int:
                 checks[f"triton_m{m}_ok"] = rel_err(yt, ref) < 0.02
                 tri_ms = timed([lambda rr=rr, x=x, p=plan: rl.resident_linear(x, rr, p) for rr in rs], True)
             dec_ms = None
-            if m > 16:  # what the layer runs above FUSED_ROWS: decode once, then cuBLAS
+            if m > 16:  # what the layer runs past fused_rows: decode once, then cuBLAS
                 dec_ms = timed([lambda ff=ff, x=x: torch.matmul(x, mc.decode(ff).T) for ff in fs], True)
             row = {"shape": name, "K": k, "N": n, "M": m, "cublas_ms": round(torch_ms, 5),
                    "decode_cublas_ms": None if dec_ms is None else round(dec_ms, 5),

@@ -1,12 +1,13 @@
-"""Launchers of the CUDA Glyd matmuls (kernels/cuda/matmul.cu, matmul_wide.cu) on fragment-order weights
-(format/fragment_weight.py).
+"""Launchers of the CUDA Glyd matmuls (kernels/cuda/matmul.cu, matmul_wide.cu, matmul_wgmma.cu) on fragment-order
+weights (format/fragment_weight.py).
 
 `matmul` runs y = x @ W.T (+ bias) for 1-128 rows of x in one launch. Up to 16 rows a block holds 16 rows of W, its
 warps stream a share of K each chunk by chunk through registers into the tensor cores, 1-4 more warps add the
 escapes, and the warps' sums meet in shared memory in a fixed order (the same bits on every run). Past 16 rows a
 block's warps hold 16 rows of W each and share x's chunks through shared memory, K split between blocks whose sums
-the last of them adds in order (`WideConfig`). `decode` writes W out in bf16 for prefill-sized matmuls (decode
-once, then the bf16 GEMM).
+the last of them adds in order (`WideConfig`); on Hopper, past 32 rows and for large W, a warpgroup's four warps
+decode into the A registers of warpgroup MMAs (`WgmmaConfig`). `decode` writes W out in bf16 for prefill-sized
+matmuls (decode once, then the bf16 GEMM).
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ def default_config(rows: int, n: int = 0, sms: int = 132, k: int = 4096,
     rows of x, where W has at most two 16-row tiles a multiprocessor, more streaming warps a block (each a shorter
     share of K), and for 9-16 rows four escape warps (their walk is the longer there), else 8 or 6 streaming warps
     and two escape warps. 17-32 rows: the streaming kernel on such a W when K is short, else the wide one with 8
-    tiles a block; 33-64 rows the wide one with 4 tiles a block, three blocks a multiprocessor. On Hopper (`wgmma`)
+    tiles a block; 33-64 rows the wide one with 4 tiles a block, three blocks a multiprocessor (65-128 rows: 4 tiles,
+    two blocks, for callers that ask; layers decode past 64 there). On Hopper (`wgmma`)
     W of WGMMA_WEIGHTS or more takes the warpgroup-MMA kernel for 33-128 rows. Every default compiles without
     spills (tests/kernels/test_kv_cuda_build.py)."""
     few_tiles = n // TILE_ROWS <= 2 * sms
@@ -104,7 +106,7 @@ def _tiles(rows: int, n: int, cfg: Config) -> int:
 
 
 def x_tiles(rows: int) -> int:
-    """8-row MMA tiles of x a build takes: 1, 2, 4 or 8."""
+    """8-row MMA tiles of x a build takes: 1, 2, 4, 8 or 16."""
     return 1 << max(0, math.ceil(rows / 8) - 1).bit_length()
 
 
@@ -169,8 +171,17 @@ def _wgmma_module(defs: tuple[tuple[str, int], ...], smem: int, device: int) -> 
 
 @functools.lru_cache(maxsize=8)
 def has_wgmma(device: int) -> bool:
-    """Whether the device runs matmul_wgmma.cu: Hopper (sm_90), whose warpgroup MMA no other architecture has."""
-    return torch.cuda.get_device_capability(device) == (9, 0)
+    """Whether the device runs matmul_wgmma.cu: Hopper (sm_90), whose warpgroup MMA no other architecture has, where
+    its sm_90a build compiles and loads (else the mma.sync kernels run, logged)."""
+    if torch.cuda.get_device_capability(device) != (9, 0):
+        return False
+    try:
+        cfg = WgmmaConfig()
+        _wgmma_module(tuple(sorted(wgmma_defines(64, cfg).items())), wgmma_smem(64, cfg), device)
+    except nvrtc.KernelBuildError as exc:
+        nvrtc.log.warning("Glyd: the warpgroup-MMA matmul is not available (%s); the mma.sync kernels run", exc)
+        return False
+    return True
 
 
 def kernels(rows: int, cfg: Config, device: torch.device, n: int = TILE_ROWS * 2) -> dict:

@@ -31,6 +31,11 @@ __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
 #endif
 }
 #if __CUDA_ARCH__ >= 900
+// barriers just initialised are visible to the bulk-copy engine's transaction counts (after mbar_init, before any
+// copy that completes on them)
+__device__ __forceinline__ void mbar_init_visible() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
 // `bytes` (a multiple of 16) from global to shared memory by the bulk-copy engine, counted by the barrier at `bar` as
 // transaction bytes (announced with mbar_expect_tx): no thread waits for it, and fences do not either
 __device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {

@@ -1,10 +1,10 @@
-// The Glyd matmul for 17-128 rows of x on Hopper (sm_90a): y = x W^T (+ bias), W in the fragment-order weight code
+// The Glyd matmul past 32 rows of x on Hopper (sm_90a; it takes 1-128): y = x W^T (+ bias), W in the fragment-order weight code
 // (fragment_code.cuh, docs/format.md section 4.1), decoded in registers straight into the A operand of the warpgroup
 // MMA (`wgmma.mma_async`, A from registers, B = x from shared memory). Compiled at run time by NVRTC
 // (kernels/nvrtc.py) with -D MT (8-row tiles of x: 1, 2, 4, 8 or 16; the MMA's N is 8 MT), WG (warpgroups a block,
 // each 64 rows of W: four warps of one 16-row tile each), STAGES (chunks in the shared-memory ring) and MIN_BLOCKS.
 //
-// Why: with mma.sync (matmul_wide.cu) every warp loads x's B registers and runs 8 MT MMAs a 16-column step; one
+// Why: with mma.sync (matmul_wide.cu) every warp loads x's B registers and runs MT MMAs a 16-column step; one
 // warpgroup MMA a step reads x from shared memory itself, at the tensor cores' full rate, with far fewer
 // instructions a chunk.
 //
@@ -208,8 +208,10 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) glyd_mm_wgmma(
   const unsigned long long desc0 = x_desc(sbase);
 
   const u32 full0 = smem_u32(bars), empty0 = full0 + 8 * STAGES;
-  if (threadIdx.x == 0)
+  if (threadIdx.x == 0) {
     for (int st = 0; st < STAGES; ++st) mbar_init(full0 + 8 * st, NT), mbar_init(empty0 + 8 * st, NT);
+    mbar_init_visible();
+  }
   __syncthreads();
   // a stage is full when its W chunks have landed (each warp's bulk copy, counted in bytes) and every thread's x
   // stores are visible to the MMA's async proxy (a fence, then an arrival). The fence waits for this thread's

@@ -3,6 +3,7 @@
 // y[8 mt + 2t + r][16 tile + g + 8h]). With K split between blockIdx.y's blocks each split writes its fp32 sums and
 // the last split of the tile group to finish (a counter) adds them in split order: the same bits on every run.
 #pragma once
+#include "fragment_code.cuh"
 
 template <int MT_, int WT_>
 __device__ __forceinline__ void finish_tiles(const float (&acc)[MT_][4], bool live, int tile, u16* __restrict__ y,

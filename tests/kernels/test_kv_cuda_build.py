@@ -57,7 +57,8 @@ def test_cubins_are_cached_by_source_defines_and_arch(tmp_path, monkeypatch: pyt
 @pytest.mark.parametrize("rows", [1, 16, 32, 64, 128])
 @pytest.mark.parametrize(("n", "k"), [(4096, 4096), (6144, 4096), (24576, 4096), (4096, 12288)])  # Qwen3-8B's
 def test_matmul_kernels_compile_without_spills(arch: str, rows: int, n: int, k: int) -> None:
-    """What a user's first start builds: on sm_90 (H100, H200) past 16 rows the warpgroup-MMA kernel, for sm_90a."""
+    """What a user's first start builds: on sm_90 (H100, H200) past 32 rows and for large W the warpgroup-MMA kernel,
+    for sm_90a."""
     from kernels import matmul_cuda
 
     cfg = matmul_cuda.default_config(rows, n, 132, k, wgmma=arch == "sm_90a")
