@@ -120,18 +120,15 @@ def wide_defines(rows: int, cfg: WideConfig) -> dict[str, int]:
             "PIPE": cfg.pipe}
 
 
-def wide_smem(rows: int, cfg: WideConfig) -> int:
-    """Bytes of the ring: a stage holds 8 MT rows of x's 64-column chunk and each warp's 1,536-byte chunk of W."""
-    return cfg.stages * (x_tiles(rows) * 8 * 128 + cfg.warps * 1536)
+def wide_smem(rows: int, cfg: Wide) -> int:
+    """Bytes of the ring: a stage holds 8 MT rows of x's 64-column chunk and each warp's 1,536-byte chunk of W; the
+    warpgroup-MMA kernel takes a kilobyte more to align the ring to its swizzle atoms."""
+    ring = cfg.stages * (x_tiles(rows) * 8 * 128 + cfg.warps * 1536)
+    return ring + 1024 if isinstance(cfg, WgmmaConfig) else ring
 
 
 def wgmma_defines(rows: int, cfg: WgmmaConfig) -> dict[str, int]:
     return {"MT": x_tiles(rows), "WG": cfg.warpgroups, "STAGES": cfg.stages, "MIN_BLOCKS": cfg.min_blocks}
-
-
-def wgmma_smem(rows: int, cfg: WgmmaConfig) -> int:
-    """Bytes of the ring, as wide_smem's, and a kilobyte to align it to the swizzle atoms."""
-    return cfg.stages * (x_tiles(rows) * 8 * 128 + cfg.warps * 1536) + 1024
 
 
 def wide_groups(n: int, cfg: Wide) -> int:
@@ -176,8 +173,7 @@ def has_wgmma(device: int) -> bool:
     if torch.cuda.get_device_capability(device) != (9, 0):
         return False
     try:
-        cfg = WgmmaConfig()
-        _wgmma_module(tuple(sorted(wgmma_defines(64, cfg).items())), wgmma_smem(64, cfg), device)
+        wide_kernel(64, WgmmaConfig(), torch.device("cuda", device))
     except nvrtc.KernelBuildError as exc:
         nvrtc.log.warning("Glyd: the warpgroup-MMA matmul is not available (%s); the mma.sync kernels run", exc)
         return False
@@ -189,13 +185,8 @@ def kernels(rows: int, cfg: Config, device: torch.device, n: int = TILE_ROWS * 2
 
 
 def wide_kernel(rows: int, cfg: Wide, device: torch.device) -> nvrtc.Kernel:
-    if isinstance(cfg, WgmmaConfig):
-        return _wgmma_module(tuple(sorted(wgmma_defines(rows, cfg).items())), wgmma_smem(rows, cfg), device.index or 0)
-    return _wide_module(tuple(sorted(wide_defines(rows, cfg).items())), wide_smem(rows, cfg), device.index or 0)
-
-
-def wide_smem_of(rows: int, cfg: Wide) -> int:
-    return wgmma_smem(rows, cfg) if isinstance(cfg, WgmmaConfig) else wide_smem(rows, cfg)
+    module, defs = (_wgmma_module, wgmma_defines) if isinstance(cfg, WgmmaConfig) else (_wide_module, wide_defines)
+    return module(tuple(sorted(defs(rows, cfg).items())), wide_smem(rows, cfg), device.index or 0)
 
 
 class _Scratch:
@@ -284,7 +275,7 @@ def _wide(y: torch.Tensor, x: torch.Tensor, f: FragmentWeight, bias: torch.Tenso
     wide_kernel(m, cfg, x.device)(
         (groups, splits), (32 * cfg.warps,),
         [y, f.data, x, y if bias is None else bias.contiguous(), f.rowptr, f.colptr, f.esc, part, count, m, n, k,
-         x.stride(0), f.lo, int(bias is not None)], smem=wide_smem_of(m, cfg))
+         x.stride(0), f.lo, int(bias is not None)], smem=wide_smem(m, cfg))
 
 
 def preload(n: int, device: torch.device, k: int) -> None:
