@@ -318,6 +318,11 @@ def ours(code: Code, q: torch.Tensor, bt: torch.Tensor, lens: torch.Tensor, L: i
                                             num_splits=num_splits, variant=variant)
 
 
+def build_name(cb: int, variant: tuple[tuple[str, int], ...]) -> str:
+    """A build's column prefix: code4, code4,P_SPLIT=1."""
+    return f"code{cb}" + "".join(f",{k}={v}" for k, v in variant)
+
+
 def make_case(S: int, L: int, first_block: int, gen: torch.Generator, dev: str
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """S sequences of L tokens on random blocks from first_block on: (block table, lengths, queries)."""
@@ -337,7 +342,9 @@ def ref_fp32(pools: Pools, q: torch.Tensor, bt: torch.Tensor, L: int) -> torch.T
 
 
 # --- accuracy: against fp32, NaN-poisoned outputs, the same bits twice ----------------------------------------------
-def accuracy(pools: Pools, base: Baseline, gen: torch.Generator, dev: str) -> list[dict[str, object]]:
+def accuracy(pools: Pools, base: Baseline, gen: torch.Generator, dev: str,
+             variants: list[tuple[tuple[str, int], ...]] = ()) -> list[dict[str, object]]:
+    """Each code's error against fp32 (the shipped build, then each variant build), and vLLM's."""
     acc = []
     for S, L in ((8, 1024), (2, 32768), (64, 2000), (3, 37)):
         row: dict[str, object] = {"batch": S, "context": L}
@@ -351,6 +358,9 @@ def accuracy(pools: Pools, base: Baseline, gen: torch.Generator, dev: str) -> li
                 row[f"code{cb}_rel_err"] = float((o1.float() - ref).norm() / ref.norm())
                 row[f"code{cb}_nan"] = bool(torch.isnan(o1).any())
                 row[f"code{cb}_same_bits_twice"] = bool(torch.equal(o1.view(torch.int16), o2.view(torch.int16)))
+                for var in variants:
+                    ours(code, q, bt, lens, L, o1, var)()
+                    row[f"{build_name(cb, var)}_rel_err"] = float((o1.float() - ref).norm() / ref.norm())
             if base.available:
                 o3 = torch.empty_like(q)
                 base.fn(q, bt, lens, L, o3, base.scratch(S))()
@@ -381,7 +391,7 @@ def time_row(S: int, L: int, pools: Pools, base: Baseline, gen: torch.Generator,
         for cb, code in pools.codes.items():
             for var in [(), *variants]:
                 fns = [ours(code, q, bt, lens, L, o, var) for (bt, lens, q), o in zip(cases, outs, strict=True)]
-                name = f"code{cb}" + "".join(f",{k}={v}" for k, v in var)
+                name = build_name(cb, var)
                 row[f"{name}_ms"] = bench_fn(lambda fns=fns: [f() for f in fns]) / rot
             row[f"code{cb}_TBps"] = S * nbs * H * code.lay.page_bytes / row[f"code{cb}_ms"] / 1e9
             for n in splits:
@@ -455,7 +465,7 @@ def main() -> None:
     check_codes(pools, src, gen, dev, out)
     base = Baseline(pools, dev, out)
 
-    acc = accuracy(pools, base, gen, dev)
+    acc = accuracy(pools, base, gen, dev, args.variants)
     log("attention_accuracy", acc, out)
     print("accuracy", json.dumps(acc), flush=True)
 

@@ -65,6 +65,11 @@ typedef unsigned long long u64;
 #ifndef WMIN_BLOCKS
 #define WMIN_BLOCKS 8  // page-writer blocks a multiprocessor: sets its register budget
 #endif
+#ifndef P_SPLIT
+// 1: P·V as two bf16 MMAs (P's bf16 value and its remainder), P to ~2^-17 instead of 2^-9: attention error below
+// vLLM's kernel's for 0-1.3% of the 4-bit code's time; up to 6% of the 3-bit code's, whose tiles cost more already
+#define P_SPLIT (CB == 4)
+#endif
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 3  // decode blocks a multiprocessor: sets the register budget (65536 / (MIN_BLOCKS * WARPS * 32))
 #endif
@@ -577,12 +582,22 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) kv_decode_a
     }
     float p[4];
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      p[c] = st[c] == NEG_INF ? 0.f : ex2(st[c] - m_run[c & 1]);
-      l_part[c & 1] += p[c];
-    }
+    for (int c = 0; c < 4; ++c) p[c] = st[c] == NEG_INF ? 0.f : ex2(st[c] - m_run[c & 1]);
     const u32 x0 = pack_bf16(p[0], p[1]), x1 = pack_bf16(p[2], p[3]);  // P^T as [token][head], m8n8 halves
     const u32 pb0 = transpose8x8(x0), pb1 = transpose8x8(x1);              // P^T's B fragment
+#if P_SPLIT
+    // the remainders P - bf16(P) as a second B fragment: O' takes P to about 2^-17 of itself
+    const u32 y0 = pack_bf16(p[0] - bf(x0 & 0xFFFFu), p[1] - bf(x0 >> 16));
+    const u32 y1 = pack_bf16(p[2] - bf(x1 & 0xFFFFu), p[3] - bf(x1 >> 16));
+    const u32 pr0 = transpose8x8(y0), pr1 = transpose8x8(y1);
+    l_part[0] += p[0] + p[2];
+    l_part[1] += p[1] + p[3];
+#else
+    // l sums the bf16 P the MMA multiplies, so O / l is a weighted mean whose weights sum to 1: P's rounding errors
+    // move the mean less than they would scale it.
+    l_part[0] += bf(x0 & 0xFFFFu) + bf(x1 & 0xFFFFu);
+    l_part[1] += bf(x0 >> 16) + bf(x1 >> 16);
+#endif
 
     // ---- O'^T += V'^T·P^T ----
 #pragma unroll
@@ -594,13 +609,19 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) kv_decode_a
         H1 ^= x.y;
       }
       const u32 L0 = cb.v.l[2 * mb], L1 = cb.v.l[2 * mb + 1];
-      mma(o[mb], prmt(L0, H0, 0x5140), prmt(L1, H1, 0x5140), prmt(L0, H0, 0x7362), prmt(L1, H1, 0x7362), pb0, pb1);
+      const u32 a0 = prmt(L0, H0, 0x5140), a1 = prmt(L1, H1, 0x5140);
+      const u32 a2 = prmt(L0, H0, 0x7362), a3 = prmt(L1, H1, 0x7362);
+      mma(o[mb], a0, a1, a2, a3, pb0, pb1);
+#if P_SPLIT
+      mma(o[mb], a0, a1, a2, a3, pr0, pr1);
+#endif
     }
     if (SKIP_ESCAPES < 2 && nv_tot) {  // V escapes: O[h][d] += P[h][t] (V[t][d] - V'_decoded[t][d] 2^(top - 127))
-      sm.pst[warp][2 * tig][g] = bf(x0 & 0xFFFFu);
-      sm.pst[warp][2 * tig + 1][g] = bf(x0 >> 16);
-      sm.pst[warp][2 * tig][g + 8] = bf(x1 & 0xFFFFu);
-      sm.pst[warp][2 * tig + 1][g + 8] = bf(x1 >> 16);
+      // the P the MMAs multiplied (to ~2^-17 with P_SPLIT)
+      sm.pst[warp][2 * tig][g] = P_SPLIT ? p[0] : bf(x0 & 0xFFFFu);
+      sm.pst[warp][2 * tig + 1][g] = P_SPLIT ? p[1] : bf(x0 >> 16);
+      sm.pst[warp][2 * tig][g + 8] = P_SPLIT ? p[2] : bf(x1 & 0xFFFFu);
+      sm.pst[warp][2 * tig + 1][g + 8] = P_SPLIT ? p[3] : bf(x1 >> 16);
       __syncwarp();
       for (int base = 0; base < nv_tot; base += 32) {
         const int i = base + lane;
