@@ -38,16 +38,18 @@ PREFILL_ROWS = 512
 _C, _W, _G = mc.Config, mc.WideConfig, mc.WgmmaConfig
 CUDA_SWEEP = {  # other builds, by 8-row tiles of x: 1-8 rows, 9-16, 17-32, 33-64, 65-128
     # Config: (tiles, warps, stages, min_blocks, escape warps); WideConfig: (warps, stages, min_blocks, K splits, pipe);
-    # WgmmaConfig (Hopper): (warpgroups, stages, min_blocks, K splits)
+    # WgmmaConfig (Hopper): (warpgroups, stages, min_blocks, K splits, x's stage images)
     1: [_C(1, 14, 2, 2, 2), _C(1, 8, 2, 2, 2), _C(1, 12, 2, 2, 4), _C(1, 8, 2, 2, 4), _C(1, 6, 2, 3, 2),
         _C(1, 7, 2, 3, 2), _C(1, 8, 2, 2, 1), _C(1, 7, 2, 3, 1), _C(2, 7, 2, 2, 1)],
     2: [_C(1, 7, 2, 2, 2), _C(1, 6, 2, 3, 2), _C(1, 7, 2, 2, 4), _C(1, 4, 2, 3, 4), _C(1, 8, 2, 2, 4),
         _C(1, 5, 2, 3, 2), _C(1, 7, 2, 3, 1), _C(2, 7, 2, 2, 1), _W(8, 4, 2, 0), _W(4, 4, 3, 0), _G(1, 4, 3),
         _G(2, 4, 2)],
-    4: [_C(1, 4, 2, 2, 2), _W(8, 3, 2, 0), _W(4, 4, 4, 0, 0), _G(1, 4, 3), _G(1, 5, 3), _G(2, 4, 2), _G(1, 4, 4)],
-    8: [_C(1, 6, 1, 1, 4), _W(8, 3, 2, 0), _W(4, 3, 3, 0), _G(1, 4, 3), _G(1, 5, 3), _G(2, 4, 2), _G(1, 3, 4),
-        _G(2, 3, 2)],
-    16: [_W(4, 4, 2, 0), _W(8, 3, 1, 0), _G(1, 3, 3), _G(1, 4, 2), _G(2, 4, 1), _G(2, 3, 2)]}
+    4: [_C(1, 4, 2, 2, 2), _W(8, 3, 2, 0), _W(4, 4, 4, 0, 0), _G(1, 3, 4), _G(1, 4, 5), _G(1, 3, 6, 0, 0),
+        _G(1, 4, 3, 0, 0)],
+    8: [_C(1, 6, 1, 1, 4), _W(8, 3, 2, 0), _W(4, 3, 3, 0), _G(1, 3, 3), _G(1, 3, 4), _G(1, 4, 4), _G(1, 3, 5),
+        _G(2, 3, 2), _G(1, 3, 3, 0, 0), _G(1, 3, 4, 0, 0), _G(2, 3, 2, 0, 0)],
+    16: [_W(4, 4, 2, 0), _W(8, 3, 1, 0), _G(1, 3, 3), _G(1, 4, 2), _G(2, 3, 2), _G(2, 3, 1), _G(1, 3, 3, 0, 0),
+         _G(2, 3, 2, 0, 0)]}
 ROTATE_BYTES = 320 << 20  # more than twice the H200's L2
 EMBEDDING = (151936, 4096)  # Qwen3-8B's vocabulary x hidden size
 LOG: dict[str, object] = {}

@@ -28,7 +28,8 @@ WIDE_SOURCE = "matmul_wide.cu"
 WGMMA_SOURCE = "matmul_wgmma.cu"  # Hopper only (sm_90a)
 MAX_ROWS = 128  # rows of x the kernels take: 8-row MMA tiles of x, 1-16 of them
 FUSED_ROWS = 64  # up to this many rows the layer runs the kernels; more decode once and use the bf16 GEMM
-WGMMA_WEIGHTS = 24 << 20  # on Hopper, W of at least this many weights runs the warpgroup-MMA kernel past 32 rows
+WGMMA_WEIGHTS = 16 << 20  # on Hopper, W of at least this many weights runs the warpgroup-MMA kernel past 32 rows
+WGMMA_WEIGHTS_32 = 64 << 20  # ... and from 17 rows on, W of at least this many
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ class WgmmaConfig:
     stages: int = 4  # chunks of x and W in the shared-memory ring
     min_blocks: int = 3  # blocks a multiprocessor (the register budget)
     splits: int = 0  # blocks K is split between (0: `wide_splits`)
+    x_image: int = 1  # 1: x is first laid out as its stages' images (one bulk copy a stage instead of every thread's)
 
     @property
     def warps(self) -> int:
@@ -75,12 +77,13 @@ def default_config(rows: int, n: int = 0, sms: int = 132, k: int = 4096,
     share of K), and for 9-16 rows four escape warps (their walk is the longer there), else 8 or 6 streaming warps
     and two escape warps. 17-32 rows: the streaming kernel on such a W when K is short, else the wide one with 8
     tiles a block; 33-64 rows the wide one with 4 tiles a block, three blocks a multiprocessor (65-128 rows: 4 tiles,
-    two blocks, for callers that ask; layers decode past 64 there). On Hopper (`wgmma`)
-    W of WGMMA_WEIGHTS or more takes the warpgroup-MMA kernel for 33-128 rows. Every default compiles without
-    spills (tests/kernels/test_kv_cuda_build.py)."""
+    two blocks, for callers that ask; layers decode past 64 there). On Hopper (`wgmma`) W of WGMMA_WEIGHTS or more
+    takes the warpgroup-MMA kernel (x's stage images laid out first) for 33-128 rows, and W of WGMMA_WEIGHTS_32 or
+    more from 17 rows, six blocks a multiprocessor there. Every default compiles without spills
+    (tests/kernels/test_kv_cuda_build.py)."""
     few_tiles = n // TILE_ROWS <= 2 * sms
-    if wgmma and rows > 32 and n * k >= WGMMA_WEIGHTS:
-        return WgmmaConfig(warpgroups=1, stages=3, min_blocks=4 if rows <= 64 and k > 4096 else 3)
+    if wgmma and rows > 16 and n * k >= (WGMMA_WEIGHTS if rows > 32 else WGMMA_WEIGHTS_32):
+        return WgmmaConfig(warpgroups=1, stages=3, min_blocks=6 if rows <= 32 else 4 if rows <= 64 and k > 4096 else 3)
     if rows > 64:
         return WideConfig(warps=4, stages=4, min_blocks=2)
     if rows > 32:
@@ -128,7 +131,13 @@ def wide_smem(rows: int, cfg: Wide) -> int:
 
 
 def wgmma_defines(rows: int, cfg: WgmmaConfig) -> dict[str, int]:
-    return {"MT": x_tiles(rows), "WG": cfg.warpgroups, "STAGES": cfg.stages, "MIN_BLOCKS": cfg.min_blocks}
+    return {"MT": x_tiles(rows), "WG": cfg.warpgroups, "STAGES": cfg.stages, "MIN_BLOCKS": cfg.min_blocks,
+            "XIMAGE": cfg.x_image}
+
+
+def x_image_bytes(rows: int, k: int, cfg: Wide) -> int:
+    """Bytes of x's stage images (`WgmmaConfig.x_image`): 8 MT rows of 128 bytes a 64-column chunk."""
+    return k // CHUNK_COLS * x_tiles(rows) * 8 * 128 if isinstance(cfg, WgmmaConfig) and cfg.x_image else 0
 
 
 def wide_groups(n: int, cfg: Wide) -> int:
@@ -160,10 +169,10 @@ def _wide_module(defs: tuple[tuple[str, int], ...], smem: int, device: int) -> n
 
 
 @functools.lru_cache(maxsize=32)
-def _wgmma_module(defs: tuple[tuple[str, int], ...], smem: int, device: int) -> nvrtc.Kernel:
-    kernel = nvrtc.load(WGMMA_SOURCE, dict(defs), ("glyd_mm_wgmma",), device, arch="sm_90a")["glyd_mm_wgmma"]
-    nvrtc.set_max_smem(kernel, smem)
-    return kernel
+def _wgmma_module(defs: tuple[tuple[str, int], ...], smem: int, device: int) -> dict[str, nvrtc.Kernel]:
+    ks = nvrtc.load(WGMMA_SOURCE, dict(defs), ("glyd_mm_wgmma", "glyd_mm_x_image"), device, arch="sm_90a")
+    nvrtc.set_max_smem(ks["glyd_mm_wgmma"], smem)
+    return ks
 
 
 @functools.lru_cache(maxsize=8)
@@ -185,39 +194,50 @@ def kernels(rows: int, cfg: Config, device: torch.device, n: int = TILE_ROWS * 2
 
 
 def wide_kernel(rows: int, cfg: Wide, device: torch.device) -> nvrtc.Kernel:
-    module, defs = (_wgmma_module, wgmma_defines) if isinstance(cfg, WgmmaConfig) else (_wide_module, wide_defines)
-    return module(tuple(sorted(defs(rows, cfg).items())), wide_smem(rows, cfg), device.index or 0)
+    if isinstance(cfg, WgmmaConfig):
+        return _wgmma_kernels(rows, cfg, device)["glyd_mm_wgmma"]
+    return _wide_module(tuple(sorted(wide_defines(rows, cfg).items())), wide_smem(rows, cfg), device.index or 0)
+
+
+def _wgmma_kernels(rows: int, cfg: WgmmaConfig, device: torch.device) -> dict[str, nvrtc.Kernel]:
+    return _wgmma_module(tuple(sorted(wgmma_defines(rows, cfg).items())), wide_smem(rows, cfg), device.index or 0)
 
 
 class _Scratch:
-    """A device's split sums (fp32) and counters (zero between launches) for the wide kernel. Buffers that grew stay
-    alive: a captured CUDA graph may still use them."""
+    """A device's split sums (fp32), counters (zero between launches) and x's stage images for the kernels past 16
+    rows. Buffers that grew stay alive: a captured CUDA graph may still use them."""
 
     def __init__(self) -> None:
         self.part: torch.Tensor | None = None
         self.count: torch.Tensor | None = None
+        self.image: torch.Tensor | None = None
         self.old: list[torch.Tensor] = []
 
-    def get(self, device: torch.device, part: int, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def get(self, device: torch.device, part: int, groups: int, image: int = 0
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.part is None or self.part.numel() < part:
             self._grow()
             self.part = torch.empty(max(part, 1 << 20), dtype=torch.float32, device=device)
         if self.count is None or self.count.numel() < groups:
             self._grow()
             self.count = torch.zeros(max(groups, 4096), dtype=torch.int32, device=device)
-        return self.part, self.count
+        if self.image is None or self.image.numel() < image:
+            self._grow()
+            self.image = torch.empty(max(image, 1 << 16), dtype=torch.uint8, device=device)
+        return self.part, self.count, self.image
 
     def _grow(self) -> None:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("the Glyd matmul's scratch would grow during CUDA-graph capture (preload the weight)")
-        self.old += [t for t in (self.part, self.count) if t is not None]
+        self.old += [t for t in (self.part, self.count, self.image) if t is not None]
 
 
 _SCRATCH: dict[int, _Scratch] = {}
 
 
-def _scratch(device: torch.device, part: int, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return _SCRATCH.setdefault(device.index or 0, _Scratch()).get(device, part, groups)
+def _scratch(device: torch.device, part: int, groups: int, image: int = 0
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _SCRATCH.setdefault(device.index or 0, _Scratch()).get(device, part, groups, image)
 
 
 @functools.lru_cache(maxsize=8)
@@ -271,10 +291,17 @@ def _wide(y: torch.Tensor, x: torch.Tensor, f: FragmentWeight, bias: torch.Tenso
     f = f.with_colptr()
     splits = wide_splits(n, k, cfg, _multiprocessors(x.device.index or 0))
     groups = wide_groups(n, cfg)
-    part, count = _scratch(x.device, splits * m * n if splits > 1 else 0, groups)
+    image_bytes = x_image_bytes(m, k, cfg)
+    part, count, image = _scratch(x.device, splits * m * n if splits > 1 else 0, groups, image_bytes)
+    src = x
+    if image_bytes:  # x's chunks laid out as the stages' images, read by one bulk copy a stage
+        units = x_tiles(m) * 8 * 8  # 16-byte units of a chunk's image
+        _wgmma_kernels(m, cfg, x.device)["glyd_mm_x_image"](
+            (k // CHUNK_COLS, -(-units // 128)), (128,), [image, x, m, x.stride(0)])
+        src = image
     wide_kernel(m, cfg, x.device)(
         (groups, splits), (32 * cfg.warps,),
-        [y, f.data, x, y if bias is None else bias.contiguous(), f.rowptr, f.colptr, f.esc, part, count, m, n, k,
+        [y, f.data, src, y if bias is None else bias.contiguous(), f.rowptr, f.colptr, f.esc, part, count, m, n, k,
          x.stride(0), f.lo, int(bias is not None)], smem=wide_smem(m, cfg))
 
 
@@ -291,7 +318,7 @@ def preload(n: int, device: torch.device, k: int) -> None:
         if isinstance(cfg, WideConfig | WgmmaConfig):
             wide_kernel(rows, cfg, device)
             top = min(fused, 8 * x_tiles(rows))
-            _scratch(device, wide_splits(n, k, cfg, sms) * top * n, wide_groups(n, cfg))
+            _scratch(device, wide_splits(n, k, cfg, sms) * top * n, wide_groups(n, cfg), x_image_bytes(top, k, cfg))
         else:
             kernels(rows, cfg, device, n)
     kernels(1, Config(), device)

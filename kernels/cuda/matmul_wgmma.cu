@@ -35,6 +35,9 @@
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 1
 #endif
+#ifndef XIMAGE
+#define XIMAGE 0  // 1: x arrives as its chunks' stage images (glyd_mm_x_image), one bulk copy a stage
+#endif
 #define NT (128 * WG)
 #define WT (4 * WG)
 #define XROWS (8 * MT)
@@ -49,6 +52,28 @@
 static_assert(MT == 1 || MT == 2 || MT == 4 || MT == 8 || MT == 16, "1-8, 9-16, 17-32, 33-64 or 65-128 rows of x");
 static_assert(STAGES >= 3 && STAGES <= 6, "3-6 ring stages");
 static_assert(STAGE_BYTES % 1024 == 0, "stages start on swizzle-atom boundaries");
+
+// Where x's column pair (16 w + 2 ku, + 1) of row m sits in a stage: 16-byte unit ku of the row (k positions
+// 8 ku .. 8 ku + 7, the unit swizzled by the row), word w. The fragment code puts column 16 t + 4 j + 2 h + e at k
+// position 16 j + 8 h + 2 t + e.
+__device__ __forceinline__ u32 x_offset(int m, int ku, int w) {
+  return u32((m >> 3) * 1024 + (m & 7) * 128 + ((ku ^ (m & 7)) << 4) + 4 * w);
+}
+
+// x's chunks as the images of a stage's x: chunk c's X_BYTES at img + c X_BYTES, rows past M zero. A thread a 16-byte
+// unit of an image, its four words gathered from x. Grid: (chunks, 8 XROWS / 128).
+extern "C" __global__ void __launch_bounds__(128) glyd_mm_x_image(uint4* __restrict__ img, const u16* __restrict__ x,
+                                                                  int M, int ldx) {
+  const int c = blockIdx.x, v = blockIdx.y * 128 + threadIdx.x;  // the unit at byte 16 v of the image
+  if (v >= XROWS * 8) return;
+  const int m = (v >> 6) * 8 + ((v >> 3) & 7), ku = (v & 7) ^ (m & 7);
+  uint4 out = make_uint4(0u, 0u, 0u, 0u);
+  if (m < M) {
+    const u32* row = reinterpret_cast<const u32*>(x + size_t(m) * ldx + 64 * c + 2 * ku);
+    out = make_uint4(__ldg(row), __ldg(row + 8), __ldg(row + 16), __ldg(row + 24));
+  }
+  img[size_t(c) * (X_BYTES / 16) + v] = out;
+}
 
 #define F4(m) "+f"(d[m][0]), "+f"(d[m][1]), "+f"(d[m][2]), "+f"(d[m][3])
 #if MT == 1
@@ -140,6 +165,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) glyd_mm_wgmma(
   // x's 16-byte units: unit u is row u / 8, columns 8 (u % 8) + (0..7), the same units every chunk (rows past M read
   // row M - 1: they only reach columns of the product that are never written). Its pairs p = 0..3 go to k unit
   // 4 (u % 2) + p of the row, byte 4 ((u % 8) / 2), the unit swizzled by the row: offset xs ^ (p << 4) in a stage.
+#if !XIMAGE
   constexpr int XU = (XROWS * 8 + NT - 1) / NT;
   constexpr bool XALL = XROWS * 8 % NT == 0;  // every thread has XU units
   const u16* xc = x + 64 * c0;  // the next chunk to fetch
@@ -149,7 +175,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) glyd_mm_wgmma(
   for (int r = 0; r < XU; ++r) {
     const int u = threadIdx.x + r * NT, m = u >> 3, k8 = u & 7;
     xo[r] = min(m, M - 1) * ldx + 8 * k8;
-    xs[r] = u32((m >> 3) * 1024 + (m & 7) * 128 + ((((k8 & 1) * 4) ^ (m & 7)) << 4) + 4 * (k8 >> 1));
+    xs[r] = x_offset(m, 4 * (k8 & 1), k8 >> 1);
 #if KEEP_OFFSETS
     asm volatile("" : "+r"(xo[r]), "+r"(xs[r]));  // opaque: computed once, not again every chunk
 #endif
@@ -171,7 +197,9 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) glyd_mm_wgmma(
         for (int p = 0; p < 4; ++p) sts32(at ^ u32(p << 4), word(xr[r], p));
       }
   };
+#endif
   const uint4* wnext = w + size_t(live ? tile : 0) * chunks * CHUNK_U4 + size_t(c0) * CHUNK_U4;
+#if !XIMAGE
   auto load_w = [&](int st, u32 bar) {  // the warp's next chunk of W (1,536 bytes) into stage st, by its lane 0
     if (live && lane == 0) {
       mbar_expect_tx(bar, 1536);
@@ -179,6 +207,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) glyd_mm_wgmma(
     }
     wnext += CHUNK_U4;
   };
+#endif
 
   float acc[MT][4];
 #pragma unroll
@@ -209,13 +238,30 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) glyd_mm_wgmma(
 
   const u32 full0 = smem_u32(bars), empty0 = full0 + 8 * STAGES;
   if (threadIdx.x == 0) {
-    for (int st = 0; st < STAGES; ++st) mbar_init(full0 + 8 * st, NT), mbar_init(empty0 + 8 * st, NT);
+    for (int st = 0; st < STAGES; ++st) mbar_init(full0 + 8 * st, XIMAGE ? WT : NT), mbar_init(empty0 + 8 * st, NT);
     mbar_init_visible();
   }
   __syncthreads();
   // a stage is full when its W chunks have landed (each warp's bulk copy, counted in bytes) and every thread's x
   // stores are visible to the MMA's async proxy (a fence, then an arrival). The fence waits for this thread's
   // outstanding memory operations, so it comes before the next chunk's loads are issued.
+#if XIMAGE
+  // With x's images, lane 0 of each warp fills the stage: its W chunk and (warp 0) x's image, all bulk copies
+  // counted in bytes; the stage is full after one arrival a warp.
+  const unsigned char* ximg = reinterpret_cast<const unsigned char*>(x) + size_t(c0) * X_BYTES;
+  auto produce = [&](int p) {
+    const int ps = p % STAGES;
+    const u32 bar = full0 + 8 * ps;
+    if (lane == 0) {
+      if (p >= STAGES) mbar_wait(empty0 + 8 * ps, ((p / STAGES) - 1) & 1);  // chunk p - STAGES is released
+      const u32 bytes = (live ? 1536u : 0u) + (warp == 0 ? u32(X_BYTES) : 0u);
+      if (bytes) mbar_expect_tx(bar, bytes);
+      if (warp == 0) cp_bulk(sbase + u32(ps * STAGE_BYTES), ximg + size_t(p) * X_BYTES, X_BYTES, bar);
+      if (live) cp_bulk(sbase + u32(ps * STAGE_BYTES) + X_BYTES + warp * 1536, wnext + size_t(p) * CHUNK_U4, 1536, bar);
+      mbar_arrive(bar);
+    }
+  };
+#else
   auto produce = [&](int p) {  // chunk p into its stage
     const int ps = p % STAGES;
     const u32 bar = full0 + 8 * ps;
@@ -227,6 +273,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) glyd_mm_wgmma(
     if (p + 1 < nc) fetch();
   };
   if (nc > 0) fetch();
+#endif
 #pragma unroll 1
   for (int p = 0; p < AHEAD && p < nc; ++p) produce(p);
 

@@ -65,7 +65,8 @@ def test_matmul_kernels_compile_without_spills(arch: str, rows: int, n: int, k: 
     if arch == "sm_90a" and not isinstance(cfg, matmul_cuda.WgmmaConfig):
         pytest.skip("Hopper runs the sm_90 builds for this shape and row count")
     if isinstance(cfg, matmul_cuda.WgmmaConfig):
-        name, defines, kernels = matmul_cuda.WGMMA_SOURCE, matmul_cuda.wgmma_defines(rows, cfg), ("glyd_mm_wgmma",)
+        name, defines, kernels = matmul_cuda.WGMMA_SOURCE, matmul_cuda.wgmma_defines(rows, cfg), ("glyd_mm_wgmma",
+                                                                                             "glyd_mm_x_image")
     elif isinstance(cfg, matmul_cuda.WideConfig):
         name, defines, kernels = matmul_cuda.WIDE_SOURCE, matmul_cuda.wide_defines(rows, cfg), ("glyd_mm_wide",)
     else:

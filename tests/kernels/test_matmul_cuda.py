@@ -67,8 +67,9 @@ BUILDS_TO_16 = [(1, 3, 4, 2, 1), (2, 15, 2, 1, 1), (1, 7, 3, 1, 1), (1, 6, 2, 2,
 BUILDS_TO_64 = [(1, 4, 2, 1, 1), (1, 6, 1, 1, 4), (1, 9, 2, 1, 2)]  # (tiles, warps, stages, min blocks, escape warps)
 WIDE_BUILDS = [(4, 2, 2, 3), (8, 3, 1, 2), (2, 4, 2, 5), (8, 4, 2, 1), (8, 3, 2, 2, 0), (4, 4, 2, 1, 0)]
 # (warps, stages, min blocks, K splits, mbarrier pipeline)
-WGMMA_BUILDS = [(1, 4, 3, 0), (2, 3, 2, 0), (1, 3, 1, 5), (2, 4, 1, 2), (1, 6, 1, 1)]
-# (warpgroups, stages, min blocks, K splits): Hopper only
+WGMMA_BUILDS = [(1, 4, 3, 0, 0), (2, 3, 2, 0, 0), (1, 3, 1, 5, 0), (2, 4, 1, 2, 0), (1, 6, 1, 1, 0), (1, 3, 3, 0, 1),
+                (2, 4, 1, 3, 1), (1, 3, 6, 1, 1)]
+# (warpgroups, stages, min blocks, K splits, x's stage images): Hopper only
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 12, 16, 17, 24, 32, 40, 64, 65, 100, 128])
@@ -117,17 +118,20 @@ def test_matmul_reads_rows_of_a_wider_tensor_and_replays_in_a_cuda_graph():
         assert torch.equal(out.view(torch.int16), first.view(torch.int16))
 
 
-@pytest.mark.parametrize("kind", ["wide", "wgmma"])
+@pytest.mark.parametrize("kind", ["wide", "wgmma", "wgmma_image"])
 def test_split_sums_replay_in_a_cuda_graph_with_the_same_bits(kind: str):
     """The wide kernels' last split block adds the sums and resets its counter: replays of one graph, and eager calls
-    between them, give the first call's bits."""
+    between them, give the first call's bits; a replay after x changed gives the new x's product (x's stage images
+    are laid out inside the graph)."""
     mm = _mm()
-    if kind == "wgmma" and not mm.has_wgmma(0):
+    if kind != "wide" and not mm.has_wgmma(0):
         pytest.skip("the warpgroup-MMA kernel runs on Hopper only")
     n, k, m = 512, 4096, 40
-    f = fw.from_bits(model_like(n, k, seed=5, outliers=0.004, zeros=0.002).to(DEV))
+    w = model_like(n, k, seed=5, outliers=0.004, zeros=0.002).to(DEV)
+    f = fw.from_bits(w)
     x = (torch.randn(m, k, device=DEV) * 0.5).to(torch.bfloat16)
-    cfg = mm.WideConfig(splits=4) if kind == "wide" else mm.WgmmaConfig(splits=4)
+    cfg = {"wide": mm.WideConfig(splits=4), "wgmma": mm.WgmmaConfig(splits=4, x_image=0),
+           "wgmma_image": mm.WgmmaConfig(splits=4, x_image=1)}[kind]
     first = mm.matmul(x, f, None, cfg)
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
@@ -141,6 +145,11 @@ def test_split_sums_replay_in_a_cuda_graph_with_the_same_bits(kind: str):
         torch.cuda.synchronize()
         assert torch.equal(out.view(torch.int16), first.view(torch.int16))
         assert torch.equal(again.view(torch.int16), first.view(torch.int16))
+    x.copy_((torch.randn(m, k, device=DEV) * 0.5).to(torch.bfloat16))
+    graph.replay()
+    torch.cuda.synchronize()
+    _check(x, w, out, None)
+    assert torch.equal(out.view(torch.int16), mm.matmul(x, f, None, cfg).view(torch.int16))
 
 
 def test_rows_above_the_kernels_are_refused_with_the_alternative():
