@@ -68,7 +68,8 @@ BUILDS_TO_64 = [(1, 4, 2, 1, 1), (1, 6, 1, 1, 4), (1, 9, 2, 1, 2)]  # (tiles, wa
 WIDE_BUILDS = [(4, 2, 2, 3), (8, 3, 1, 2), (2, 4, 2, 5), (8, 4, 2, 1), (8, 3, 2, 2, 0), (4, 4, 2, 1, 0)]
 # (warps, stages, min blocks, K splits, mbarrier pipeline)
 WGMMA_BUILDS = [(1, 4, 3, 0, 0), (2, 3, 2, 0, 0), (1, 3, 1, 5, 0), (2, 4, 1, 2, 0), (1, 6, 1, 1, 0), (1, 3, 3, 0, 1),
-                (2, 4, 1, 3, 1), (1, 3, 6, 1, 1)]
+                (2, 4, 1, 3, 1), (1, 3, 4, 1, 1)]
+WGMMA_BUILDS_TO_32 = [(1, 3, 6, 0, 1), (1, 3, 6, 2, 1)]  # six blocks a multiprocessor: registers for 32 rows at most
 # (warpgroups, stages, min blocks, K splits, x's stage images): Hopper only
 
 
@@ -87,7 +88,7 @@ def test_matmul_matches_float64(m: int, n: int, k: int):
     bias = (torch.randn(n, device=DEV, generator=g)).to(torch.bfloat16)
     builds = [mm.Config(*b) for b in (BUILDS_TO_16 if m <= 16 else BUILDS_TO_64 if m <= 64 else [])]
     builds += [mm.WideConfig(*b) for b in WIDE_BUILDS]
-    builds += [mm.WgmmaConfig(*b) for b in WGMMA_BUILDS if mm.has_wgmma(0)]
+    builds += [mm.WgmmaConfig(*b) for b in WGMMA_BUILDS + (WGMMA_BUILDS_TO_32 if m <= 32 else []) if mm.has_wgmma(0)]
     for cfg in (None, *builds):
         got = mm.matmul(x, f, bias if cfg is None else None, cfg)
         assert got.shape == (m, n) and got.dtype == torch.bfloat16
