@@ -5,9 +5,9 @@ weights (format/fragment_weight.py).
 warps stream a share of K each chunk by chunk through registers into the tensor cores, 1-4 more warps add the
 escapes, and the warps' sums meet in shared memory in a fixed order (the same bits on every run). Past 16 rows a
 block's warps hold 16 rows of W each and share x's chunks through shared memory, K split between blocks whose sums
-the last of them adds in order (`WideConfig`); on Hopper, past 32 rows and for large W, a warpgroup's four warps
-decode into the A registers of warpgroup MMAs (`WgmmaConfig`). `decode` writes W out in bf16 for prefill-sized
-matmuls (decode once, then the bf16 GEMM).
+the last of them adds in order (`WideConfig`); on Hopper, for large W, a warpgroup's four warps decode into the A
+registers of warpgroup MMAs, x first laid out as the images of its stages (`WgmmaConfig`). `decode` writes W out
+in bf16 for prefill-sized matmuls (decode once, then the bf16 GEMM).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
-// The Glyd matmul past 32 rows of x on Hopper (sm_90a; it takes 1-128): y = x W^T (+ bias), W in the fragment-order weight code
+// The Glyd matmul past 16 rows of x on Hopper (sm_90a; it takes 1-128): y = x W^T (+ bias), W in the fragment-order weight code
 // (fragment_code.cuh, docs/format.md section 4.1), decoded in registers straight into the A operand of the warpgroup
 // MMA (`wgmma.mma_async`, A from registers, B = x from shared memory). Compiled at run time by NVRTC
 // (kernels/nvrtc.py) with -D MT (8-row tiles of x: 1, 2, 4, 8 or 16; the MMA's N is 8 MT), WG (warpgroups a block,
-// each 64 rows of W: four warps of one 16-row tile each), STAGES (chunks in the shared-memory ring) and MIN_BLOCKS.
+// each 64 rows of W: four warps of one 16-row tile each), STAGES (chunks in the shared-memory ring), MIN_BLOCKS and
+// XIMAGE.
 //
 // Why: with mma.sync (matmul_wide.cu) every warp loads x's B registers and runs MT MMAs a 16-column step; one
 // warpgroup MMA a step reads x from shared memory itself, at the tensor cores' full rate, with far fewer
@@ -10,10 +11,12 @@
 //
 // x's chunk is stored for the MMA in 128-byte-swizzled K-major rows, its columns permuted to the fragment code's
 // order: the code gives lane 4 g + t columns 16 t + 4 j + (0..3) in step j, where an MMA's k index 2 t + e (+ 8)
-// must be; so column 16 t + 4 j + 2 h + e sits at k position 16 j + 8 h + 2 t + e. The block's threads load x a
-// chunk ahead into registers (16 bytes a unit) and store it in 4-byte pairs into the ring; each warp's chunk of W
-// arrives by a bulk copy. Stages are handed over by `full` and `empty` mbarriers; a stage is released when the MMAs
-// that read it are complete (wgmma.wait_group 1: one chunk's MMAs stay in flight while the next chunk decodes).
+// must be; so column 16 t + 4 j + 2 h + e sits at k position 16 j + 8 h + 2 t + e. With XIMAGE, glyd_mm_x_image
+// first writes each chunk of x as that exact stage image, and a stage fills by bulk copies only (W a warp, x by
+// warp 0); without, the block's threads load x a chunk ahead into registers (16 bytes a unit) and store it in
+// 4-byte pairs into the ring, and each warp's chunk of W arrives by a bulk copy. Stages are handed over by `full`
+// and `empty` mbarriers; a stage is released when the MMAs that read it are complete (wgmma.wait_group 1: one
+// chunk's MMAs stay in flight while the next chunk decodes).
 //
 // Escapes are patched into the A registers before the MMA (the decoded value's exponent bits XORed to the true
 // ones), so the product uses W exactly and no x values are read for them. K may be split between blockIdx.y's
