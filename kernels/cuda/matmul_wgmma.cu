@@ -216,25 +216,12 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) glyd_mm_wgmma(
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.f;
 
-  // each lane's two rows' escapes in this split (h = 0: row g, 1: row g + 8): the entry at e and the one after it,
-  // loaded ahead; ~0u ends a walk. Kept as scalars: an array indexed by h would live in local memory.
-  int e0 = 0, e1 = 0, end0 = 0, end1 = 0;
-  u32 cur0 = ~0u, cur1 = ~0u, nxt0 = ~0u, nxt1 = ~0u;
-  auto walk_from = [&](int row, int& e, int& end, u32& cur, u32& nxt) {
-    const int first = __ldg(rowptr + row);  // colptr[q - 1]: the row's escapes below column 512 q
-    e = first + (q0 > 0 ? int(__ldg(colptr + size_t(q0 - 1) * N + row)) : 0);
-    end = q1 < groups ? first + int(__ldg(colptr + size_t(q1 - 1) * N + row)) : __ldg(rowptr + row + 1);
-    cur = e < end ? __ldg(esc + e) : ~0u;
-    nxt = e + 1 < end ? __ldg(esc + e + 1) : ~0u;
-  };
-  auto step = [&](int& e, int end, u32& cur, u32& nxt) {
-    ++e;
-    cur = nxt;
-    nxt = e + 1 < end ? __ldg(esc + e + 1) : ~0u;
-  };
+  // each lane's two rows' escapes in this split (h = 0: row g, 1: row g + 8). Two variables, not an array: an array
+  // indexed by h would live in local memory.
+  EscapeWalk wk0{0, 0, ~0u, ~0u}, wk1 = wk0;
   if (live) {
-    walk_from(16 * tile + g, e0, end0, cur0, nxt0);
-    walk_from(16 * tile + g + 8, e1, end1, cur1, nxt1);
+    wk0 = walk_from(rowptr, colptr, esc, 16 * tile + g, q0, q1, groups, N, true);
+    wk1 = walk_from(rowptr, colptr, esc, 16 * tile + g + 8, q0, q1, groups, N, true);
   }
   const u32 kb = u32(lo >> 1) * 0x01010101u, lo_bits = u32(lo) << 7;
   const unsigned long long desc0 = x_desc(sbase);
@@ -296,8 +283,8 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) glyd_mm_wgmma(
       const u32 cend = u32(64 * (c0 + i + 1)), cbase = u32(64 * (c0 + i));
 #pragma unroll 1
       while (true) {
-        const int h = (cur1 >> 16) < (cur0 >> 16);
-        const u32 ent = h ? cur1 : cur0;
+        const int h = (wk1.cur >> 16) < (wk0.cur >> 16);
+        const u32 ent = h ? wk1.cur : wk0.cur;
         if ((ent >> 16) >= cend) break;
         const u32 col = (ent >> 16) - cbase;
         if (int(col >> 4) == t) {
@@ -311,9 +298,9 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) glyd_mm_wgmma(
           }
         }
         if (h)
-          step(e1, end1, cur1, nxt1);
+          walk_step(wk1, esc);
         else
-          step(e0, end0, cur0, nxt0);
+          walk_step(wk0, esc);
       }
     } else {
 #pragma unroll

@@ -95,18 +95,9 @@ extern "C" __global__ void __launch_bounds__(WT * 32, MIN_BLOCKS) glyd_mm_wide(
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.f;
 
-  // each lane's two rows' escape walk: the entry at e and the one after it, loaded ahead; ~0u ends a walk
-  int e[2], end[2];
-  u32 cur[2], nxt[2];
+  EscapeWalk wk[2];  // each lane's two rows: g and g + 8
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int row = 16 * tile + g + 8 * h;
-    const int first = live ? __ldg(rowptr + row) : 0;  // colptr[q - 1]: the row's escapes below column 512 q
-    e[h] = first + (live && q0 > 0 ? int(__ldg(colptr + size_t(q0 - 1) * N + row)) : 0);
-    end[h] = !live ? 0 : q1 < groups ? first + int(__ldg(colptr + size_t(q1 - 1) * N + row)) : __ldg(rowptr + row + 1);
-    cur[h] = e[h] < end[h] ? __ldg(esc + e[h]) : ~0u;
-    nxt[h] = e[h] + 1 < end[h] ? __ldg(esc + e[h] + 1) : ~0u;
-  }
+  for (int h = 0; h < 2; ++h) wk[h] = walk_from(rowptr, colptr, esc, 16 * tile + g + 8 * h, q0, q1, groups, N, live);
   const u32 kb = u32(lo >> 1) * 0x01010101u;
 
   auto consume = [&](int i) {  // chunk c0 + i from its ring stage: MMAs, then the chunk's escapes of both rows
@@ -130,9 +121,9 @@ extern "C" __global__ void __launch_bounds__(WT * 32, MIN_BLOCKS) glyd_mm_wide(
     const u32 cend = u32(64 * (c0 + i + 1)), cbase = u32(64 * (c0 + i));
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      while ((cur[h] >> 16) < cend) {
-        const u32 col = (cur[h] >> 16) - cbase;
-        const float delta = bf(cur[h] & 0xFFFFu) - bf((cur[h] & 0x807Fu) | (u32(lo) << 7));
+      while ((wk[h].cur >> 16) < cend) {
+        const u32 col = (wk[h].cur >> 16) - cbase;
+        const float delta = bf(wk[h].cur & 0xFFFFu) - bf((wk[h].cur & 0x807Fu) | (u32(lo) << 7));
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -141,9 +132,7 @@ extern "C" __global__ void __launch_bounds__(WT * 32, MIN_BLOCKS) glyd_mm_wide(
             const u16 xv = *reinterpret_cast<const u16*>(xs + xoff(m, col >> 3) + 2 * (col & 7));
             acc[mt][2 * h + r] = fmaf(delta, bf(xv), acc[mt][2 * h + r]);
           }
-        ++e[h];
-        cur[h] = nxt[h];
-        nxt[h] = e[h] + 1 < end[h] ? __ldg(esc + e[h] + 1) : ~0u;
+        walk_step(wk[h], esc);
       }
     }
   };
