@@ -1,6 +1,6 @@
-// The Glyd matmul past 16 rows of x on Hopper (sm_90a; it takes 1-128): y = x W^T (+ bias), W in the fragment-order weight code
-// (fragment_code.cuh, docs/format.md section 4.1), decoded in registers straight into the A operand of the warpgroup
-// MMA (`wgmma.mma_async`, A from registers, B = x from shared memory). Compiled at run time by NVRTC
+// The Glyd matmul past 16 rows of x on Hopper (sm_90a; it takes 1-128): y = x W^T (+ bias), W in the fragment-order
+// weight code (fragment_code.cuh, docs/format.md section 4.1), decoded in registers straight into the A operand of
+// the warpgroup MMA (`wgmma.mma_async`, A from registers, B = x from shared memory). Compiled at run time by NVRTC
 // (kernels/nvrtc.py) with -D MT (8-row tiles of x: 1, 2, 4, 8 or 16; the MMA's N is 8 MT), WG (warpgroups a block,
 // each 64 rows of W: four warps of one 16-row tile each), STAGES (chunks in the shared-memory ring), MIN_BLOCKS and
 // XIMAGE.
@@ -165,10 +165,10 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) glyd_mm_wgmma(
   const int tile = blockIdx.x * WT + warp;
   const bool live = tile < tiles;
 
+#if !XIMAGE
   // x's 16-byte units: unit u is row u / 8, columns 8 (u % 8) + (0..7), the same units every chunk (rows past M read
   // row M - 1: they only reach columns of the product that are never written). Its pairs p = 0..3 go to k unit
   // 4 (u % 2) + p of the row, byte 4 ((u % 8) / 2), the unit swizzled by the row: offset xs ^ (p << 4) in a stage.
-#if !XIMAGE
   constexpr int XU = (XROWS * 8 + NT - 1) / NT;
   constexpr bool XALL = XROWS * 8 % NT == 0;  // every thread has XU units
   const u16* xc = x + 64 * c0;  // the next chunk to fetch
@@ -232,9 +232,6 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) glyd_mm_wgmma(
     mbar_init_visible();
   }
   __syncthreads();
-  // a stage is full when its W chunks have landed (each warp's bulk copy, counted in bytes) and every thread's x
-  // stores are visible to the MMA's async proxy (a fence, then an arrival). The fence waits for this thread's
-  // outstanding memory operations, so it comes before the next chunk's loads are issued.
 #if XIMAGE
   // With x's images, lane 0 of each warp fills the stage: its W chunk and (warp 0) x's image, all bulk copies
   // counted in bytes; the stage is full after one arrival a warp.
@@ -247,11 +244,15 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) glyd_mm_wgmma(
       const u32 bytes = (live ? 1536u : 0u) + (warp == 0 ? u32(X_BYTES) : 0u);
       if (bytes) mbar_expect_tx(bar, bytes);
       if (warp == 0) cp_bulk(sbase + u32(ps * STAGE_BYTES), ximg + size_t(p) * X_BYTES, X_BYTES, bar);
-      if (live) cp_bulk(sbase + u32(ps * STAGE_BYTES) + X_BYTES + warp * 1536, wnext + size_t(p) * CHUNK_U4, 1536, bar);
+      if (live)
+        cp_bulk(sbase + u32(ps * STAGE_BYTES) + X_BYTES + warp * 1536, wnext + size_t(p) * CHUNK_U4, 1536, bar);
       mbar_arrive(bar);
     }
   };
 #else
+  // a stage is full when its W chunks have landed (each warp's bulk copy, counted in bytes) and every thread's x
+  // stores are visible to the MMA's async proxy (a fence, then an arrival). The fence waits for this thread's
+  // outstanding memory operations, so it comes before the next chunk's loads are issued.
   auto produce = [&](int p) {  // chunk p into its stage
     const int ps = p % STAGES;
     const u32 bar = full0 + 8 * ps;
