@@ -56,3 +56,74 @@ def test_bench_rare_fails_when_outputs_differ_from_off(monkeypatch: pytest.Monke
     monkeypatch.setattr(rare, "run_rare_bench", lambda *a, **k: _rare_result(equal))
     assert main(["bench", "rare", "--json"]) == code
     assert json.loads(capsys.readouterr().out)["outputs_equal_off"] is equal
+
+
+def test_bench_rare_fails_when_the_engines_were_served_other_prompts(monkeypatch: pytest.MonkeyPatch,
+                                                                     tmp_path: Path) -> None:
+    import glyd_engine.bench.rare_tokens as rare
+    import glyd_engine.models as models
+
+    monkeypatch.setattr(models, "resolve_model", lambda *a, **k: tmp_path)
+    monkeypatch.setattr(rare, "run_rare_bench", lambda *a, **k: {**_rare_result(True), "prompts_equal": False})
+    assert main(["bench", "rare", "--json"]) == 1
+
+
+def _top2(a: int, la: float, b: int, lb: float) -> list[list]:
+    return [[a, la, struct.pack("<d", la).hex()], [b, lb, struct.pack("<d", lb).hex()]]
+
+
+def test_rare_comparison_lists_the_differing_tokens_with_their_margins() -> None:
+    from glyd_engine.bench.rare_tokens import compare_outputs
+
+    off = {"outputs": [[5, 6], [7, 8], [9, 9]],
+           "top2": [[_top2(5, -1.0, 4, -1.5), _top2(6, -2.0, 3, -2.0)], [_top2(7, -1.0, 2, -3.0)] * 2,
+                    [_top2(9, -0.5, 1, -2.5)] * 2]}
+    glyd = {"outputs": [[5, 3], [2, 8], [9, 9]],
+            "top2": [[_top2(5, -1.0, 4, -1.5), _top2(3, -2.0, 6, -2.0)], [_top2(2, -1.5, 7, -1.5)] * 2,
+                     [_top2(9, -0.5, 1, -2.5)] * 2]}
+    c = compare_outputs(off, glyd, n_rare=1)
+    assert (c["tokens_compared"], c["tokens_differing"], c["prompts_differing"]) == (6, 2, [0, 1])
+    assert c["differing"][0] == {"prompt": 0, "kind": "rare", "step": 1, "off": 6, "lossless": 3,
+                                 "after_diff": False, "off_margin": 0.0, "lossless_margin": 0.0}
+    assert c["differing"][1]["kind"] == "ordinary" and c["differing"][1]["off_margin"] == 2.0
+    assert c["logprobs_equal_off"] is False
+    same = compare_outputs(off, off, n_rare=1)
+    assert same["tokens_differing"] == 0 and same["logprobs_equal_off"] is True
+    assert compare_outputs({"outputs": [[1]]}, {"outputs": [[1]]}, 1)["logprobs_equal_off"] is None
+
+
+def test_rare_tokens_do_not_depend_on_the_random_state(tmp_path: Path) -> None:
+    """The list (and its order, which rare_prompts draws by) is the same in every process: no randomized PCA."""
+    import torch
+    from safetensors.torch import save_file
+
+    from glyd_engine.bench.rare_tokens import find_rare_tokens
+
+    g = torch.Generator().manual_seed(1)
+    rows = torch.randn(64, 16, generator=g)
+    rows[:4] = rows[0] + 0.01 * torch.randn(4, 16, generator=g)  # the never-trained special tokens
+    rows[40:44] = rows[0]  # untrained ordinary tokens: identical rows, exact ties
+    save_file({"model.embed_tokens.weight": rows.to(torch.bfloat16)}, str(tmp_path / "model.safetensors"))
+
+    class Tok:
+        all_special_ids = [0, 1, 2, 3]
+        added_tokens_decoder: dict = {}
+
+        def __len__(self) -> int:
+            return 64
+
+        def convert_ids_to_tokens(self, i: int) -> str:
+            return f"t{i}"
+
+        def decode(self, ids: list[int]) -> str:
+            return f"t{ids[0]}"
+
+        def __call__(self, text: str, add_special_tokens: bool = False) -> dict:
+            return {"input_ids": [int(text[1:])]}
+
+    lists = []
+    for seed in (0, 1, 2):
+        torch.manual_seed(seed)
+        lists.append([t["id"] for t in find_rare_tokens(tmp_path, 8, Tok())])
+    assert lists[0] == lists[1] == lists[2]
+    assert lists[0][:4] == [40, 41, 42, 43]  # ties in id order

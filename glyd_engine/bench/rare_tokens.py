@@ -19,11 +19,24 @@ tokenizer always merges further (`Ġquestionna`, `Ġbiomark`, `Ġglimp`, `Ġcock
 
 The engine child (`python -m glyd_engine.bench.rare_tokens --child SPEC`) reuses glyd_engine.bench.kv's engine
 and prints one `GLYD_RESULT` line, like `glyd_engine.bench.kv`'s children.
+
+Scheduling: the child runs vLLM's engine core inside itself (VLLM_ENABLE_V1_MULTIPROCESSING=0), so every
+prompt is queued before the first step and the schedule (which requests' chunks share a step) depends only on
+the settings. With vLLM's default (the engine core in a process of its own) the core starts stepping when the
+first requests arrive, the split of the 48 prompts into chunks changes from run to run, and vLLM's bf16 CPU
+forward gives other floats for other chunk compositions: rare-token prompts then flip tokens even between two
+runs of off (docs/benchmarks.md), which would make `outputs_equal_off` a coin toss. With one schedule, off repeats
+itself and lossless must give off's tokens and logprobs bit for bit. The parent also reports which tokens
+differ, with the top-2 margins, and checks that both children built the same prompts (`prompts_sha256`).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import random
+import struct
 import sys
 import time
 from pathlib import Path
@@ -66,13 +79,16 @@ def find_rare_tokens(model_dir: Path, n: int = 64, tokenizer: Any = None) -> lis
     if not reference:
         raise ValueError("the tokenizer has no unused special tokens to take as the untrained reference")
     centred = rows - rows.mean(0)
-    _, _, v = torch.pca_lowrank(centred, q=1, center=False)
-    pc = v[:, 0]
+    # The first principal component exactly (top eigenvector of the [hidden, hidden] Gram matrix, float64), not
+    # torch.pca_lowrank: that one is randomized, so each process (each engine child) got another list, in
+    # another order, and rare_prompts, which draws by position, other prompts.
+    gram = centred.double().T @ centred.double()
+    pc = torch.linalg.eigh(gram).eigenvectors[:, -1].float()
     centred = centred - (centred @ pc)[:, None] * pc[None, :]
     ref = centred[reference].mean(0)
     score = torch.nn.functional.cosine_similarity(centred, ref[None, :], dim=1)
     out: list[dict[str, Any]] = []
-    for i in score.argsort(descending=True).tolist():
+    for i in score.argsort(descending=True, stable=True).tolist():  # ties (identical rows): lower id first
         if i in special or i >= len(tokenizer):
             continue
         text = tokenizer.decode([i])
@@ -100,10 +116,14 @@ def workload(tokenizer: Any, model_dir: Path, spec: dict[str, Any]) -> tuple[lis
 
 
 def run_rare_child(spec: dict[str, Any]) -> dict[str, Any]:
-    """One engine: every prompt at once, greedy, `max_tokens` each (EOS ignored); timings, counters."""
+    """One engine: every prompt at once, greedy, `max_tokens` each (EOS ignored); timings, counters, and each
+    generated token's top-2 logprobs (`top2`: [token, logprob, its IEEE bits]) for the parent's comparison."""
+    # The engine core in this process: every prompt is queued before the first step, so the schedule does not
+    # depend on when requests reach the core (see the module doc). Set before vLLM reads it.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import vllm
 
-    from glyd_engine.bench.kv import _counters, _engine, _greedy
+    from glyd_engine.bench.kv import _counters, _engine
 
     t0 = time.monotonic()
     llm = _engine(spec)
@@ -112,17 +132,19 @@ def run_rare_child(spec: dict[str, Any]) -> dict[str, Any]:
                            "num_blocks": cfg.num_gpu_blocks, "block_size": cfg.block_size,
                            "kv_tokens": int(cfg.num_gpu_blocks or 0) * int(cfg.block_size)}
     prompts, rare = workload(llm.get_tokenizer(), Path(spec["model"]), spec)
+    res["prompts_sha256"] = hashlib.sha256(json.dumps(prompts).encode()).hexdigest()  # the parent checks they agree
     max_tokens = int(spec["rare"]["max_tokens"])
     n_rare = int(spec["rare"]["n"])
     t = time.monotonic()
-    outs = _greedy(llm, prompts, max_tokens)
+    outs, top2 = _greedy_top2(llm, prompts, max_tokens)
     dt = time.monotonic() - t
     prompt_tokens = sum(map(len, prompts))
     res.update({
         "rare_tokens": rare[:12], "rare_vocab": len(rare), "requests": len(prompts), "rare_requests": n_rare,
         "completed": sum(len(o) == max_tokens for o in outs), "prompt_tokens": prompt_tokens,
         "generated_tokens": sum(map(len, outs)), "seconds": round(dt, 2),
-        "prompt_tokens_per_s": round(prompt_tokens / dt, 1), "outputs": outs,
+        "prompt_tokens_per_s": round(prompt_tokens / dt, 1), "outputs": outs, "top2": top2,
+        "engine_core": "in-process" if not vllm.envs.VLLM_ENABLE_V1_MULTIPROCESSING else "own process",
     })
     res["metrics"] = _counters(llm)
     if spec["mode"] != "off":
@@ -132,6 +154,48 @@ def run_rare_child(spec: dict[str, Any]) -> dict[str, Any]:
         res["stats"] = {k: sum(int(s[k]) for s in stats) for k in stats[0]} if stats else {}
     res["total_s"] = round(time.monotonic() - t0, 1)
     return res
+
+
+def _greedy_top2(llm: Any, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], list[list[list]]]:
+    """Greedy tokens (EOS ignored) and, for each generated token, the two most likely [token, logprob, bits]."""
+    from vllm import SamplingParams, TokensPrompt
+
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=2)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    top2 = [[[[tid, float(lp.logprob), struct.pack("<d", float(lp.logprob)).hex()]
+              for tid, lp in sorted(step.items(), key=lambda kv: (kv[1].rank, kv[0]))][:2]
+             for step in (o.outputs[0].logprobs or [])] for o in outs]
+    return tokens, top2
+
+
+def _margin(top: list[list]) -> float | None:
+    """The top-2 logprob margin of one generated token (None without two entries)."""
+    return round(top[0][1] - top[1][1], 5) if len(top) > 1 else None
+
+
+def compare_outputs(off: dict[str, Any], glyd: dict[str, Any], n_rare: int) -> dict[str, Any]:
+    """Lossless's generated tokens against off's: how many differ, which (prompt, step, rare or ordinary, both
+    tokens, both top-2 margins), and whether the top-2 logprobs are equal bit for bit (None when a child gave none).
+    A step after a prompt's first differing token continues another text; it is listed, marked `after_diff`."""
+    a, b = off["outputs"], glyd["outputs"]
+    ta, tb = off.get("top2"), glyd.get("top2")
+    differing = []
+    for i, (oa, ob) in enumerate(zip(a, b, strict=True)):
+        for j, (x, y) in enumerate(zip(oa, ob, strict=False)):
+            if x == y:
+                continue
+            d: dict[str, Any] = {"prompt": i, "kind": "rare" if i < n_rare else "ordinary", "step": j, "off": x,
+                                 "lossless": y, "after_diff": oa[:j] != ob[:j]}
+            if ta and tb:
+                d["off_margin"], d["lossless_margin"] = _margin(ta[i][j]), _margin(tb[i][j])
+            differing.append(d)
+    bits = None
+    if ta is not None and tb is not None:
+        bits = [[[e[2] for e in s] for s in p] for p in ta] == [[[e[2] for e in s] for s in p] for p in tb]
+    return {"tokens_compared": sum(map(len, a)), "tokens_differing": len(differing),
+            "prompts_differing": sorted({d["prompt"] for d in differing}), "differing": differing,
+            "logprobs_equal_off": bits}
 
 
 def run_engine(spec: dict[str, Any], timeout: float = 1800) -> dict[str, Any]:
@@ -168,7 +232,10 @@ def run_rare_bench(model: Path, kv_bytes: int, n: int = 40, length: int = 1400, 
     if "off" in runs and "lossless" in runs:
         result["throughput_ratio"] = round(runs["lossless"]["prompt_tokens_per_s"]
                                            / runs["off"]["prompt_tokens_per_s"], 3)
+        result["prompts_equal"] = runs["lossless"].get("prompts_sha256") == runs["off"].get("prompts_sha256")
         result["outputs_equal_off"] = runs["lossless"]["outputs"] == runs["off"]["outputs"]
+        result.update(compare_outputs(runs["off"], runs["lossless"], n))
+    result["engine_core"] = first.get("engine_core")
     result["vllm_version"] = first["vllm"]
     return result
 
