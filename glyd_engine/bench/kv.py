@@ -67,12 +67,16 @@ def _prompt_logprobs(llm: Any, prompts: list[list[int]]) -> list[list[float]]:
     return result
 
 
-def _greedy(llm: Any, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+def _generate(llm: Any, prompts: list[list[int]], max_tokens: int, logprobs: int | None = None) -> list[Any]:
+    """vLLM's request outputs of greedy decoding (EOS ignored), with `logprobs` top entries a token if asked."""
     from vllm import SamplingParams, TokensPrompt
 
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=logprobs)
+    return llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+
+
+def _greedy(llm: Any, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in _generate(llm, prompts, max_tokens)]
 
 
 def prefix_prompts(tokenizer: Any, n: int, prefix_tokens: int, tail_tokens: int) -> list[list[int]]:

@@ -123,7 +123,7 @@ def run_rare_child(spec: dict[str, Any]) -> dict[str, Any]:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import vllm
 
-    from glyd_engine.bench.kv import _counters, _engine
+    from glyd_engine.bench.kv import _counters, _engine, _generate
 
     t0 = time.monotonic()
     llm = _engine(spec)
@@ -136,7 +136,7 @@ def run_rare_child(spec: dict[str, Any]) -> dict[str, Any]:
     max_tokens = int(spec["rare"]["max_tokens"])
     n_rare = int(spec["rare"]["n"])
     t = time.monotonic()
-    outs, top2 = _greedy_top2(llm, prompts, max_tokens)
+    outs, top2 = _tokens_top2(_generate(llm, prompts, max_tokens, logprobs=2))
     dt = time.monotonic() - t
     prompt_tokens = sum(map(len, prompts))
     res.update({
@@ -156,12 +156,8 @@ def run_rare_child(spec: dict[str, Any]) -> dict[str, Any]:
     return res
 
 
-def _greedy_top2(llm: Any, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], list[list[list]]]:
-    """Greedy tokens (EOS ignored) and, for each generated token, the two most likely [token, logprob, bits]."""
-    from vllm import SamplingParams, TokensPrompt
-
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=2)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+def _tokens_top2(outs: list[Any]) -> tuple[list[list[int]], list[list[list]]]:
+    """Each request's generated tokens and, for each, the two most likely [token, logprob, bits]."""
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     top2 = [[[[tid, float(lp.logprob), struct.pack("<d", float(lp.logprob)).hex()]
               for tid, lp in sorted(step.items(), key=lambda kv: (kv[1].rank, kv[0]))][:2]
