@@ -57,8 +57,8 @@ def kernels(layout: KVPageLayout, group: int, device: torch.device, variant: tup
 def _check(cache: torch.Tensor, layout: KVPageLayout, tops: torch.Tensor) -> int:
     if cache.dtype != torch.uint8 or cache.dim() != 3 or cache.shape[2] != layout.page_bytes:
         raise ValueError(f"cache must be uint8 [num_blocks, H, {layout.page_bytes}], got {tuple(cache.shape)}")
-    if not cache.is_contiguous():
-        raise ValueError("cache must be contiguous")
+    if cache.stride(2) != 1:  # blocks and heads may sit at any strides (_strides); a page's bytes are one run
+        raise ValueError(f"each page must be {layout.page_bytes} contiguous bytes, got strides {cache.stride()}")
     h = cache.shape[1]
     if tops.shape != (2, h, layout.head_size) or tops.dtype != torch.uint8 or tops.device != cache.device:
         raise ValueError(f"tops must be uint8 [2, {h}, {layout.head_size}] on {cache.device}")
@@ -136,7 +136,7 @@ def decode_attention(query: torch.Tensor, cache: torch.Tensor, layout: KVPageLay
     ks["kv_decode_attention"](
         (splits, h, s), (warps * 32,),
         [query, out, part_o, part_ml, cache, tops, ptr, ref, bt, sl, float(scale * 1.4426950408889634),
-         query.stride(0), query.stride(1), out.stride(0), out.stride(1), bt.stride(0), h, splits],
+         query.stride(0), query.stride(1), out.stride(0), out.stride(1), bt.stride(0), h, splits, *_strides(cache)],
         smem=smem)
     if splits > 1:
         ks["kv_merge"]((s, hq), (d,), [out, part_o, part_ml, out.stride(0), out.stride(1), hq, splits])
@@ -155,8 +155,15 @@ def read_tiles(cache: torch.Tensor, layout: KVPageLayout, tops: torch.Tensor, ti
     v = torch.empty_like(k)
     if n:
         ptr, ref = _overflow_args(overflow, layout, cache.device)
-        ks["kv_read_tiles"]((n, h), (32,), [k, v, cache, tops, ptr, ref, tiles.to(torch.int64).contiguous(), h])
+        ks["kv_read_tiles"]((n, h), (32,), [k, v, cache, tops, ptr, ref, tiles.to(torch.int64).contiguous(), h,
+                                               *_strides(cache)])
     return k, v
+
+
+def _strides(cache: torch.Tensor) -> list[nvrtc.I64]:
+    """Bytes from one block's pages to the next and from one KV head's page to the next: vLLM may pad pages or
+    interleave other layers' pages between blocks (its KV cache layouts), and the kernels follow its strides."""
+    return [nvrtc.I64(cache.stride(0)), nvrtc.I64(cache.stride(1))]
 
 
 def _aligned(x: torch.Tensor) -> torch.Tensor:
@@ -225,7 +232,7 @@ def launch_write(cache: torch.Tensor, layout: KVPageLayout, tops: torch.Tensor, 
     span = span or (1 if t <= SPAN_TOKENS else TILE)
     ks["kv_write"]((math.ceil(t / span), h), (128,), [
         cache, key, value, slots, tops, ptr, ref, runs.counters, need, t, h, key.stride(0), key.stride(1),
-        value.stride(0), value.stride(1), int(only_needy), span], smem=smem)
+        value.stride(0), value.stride(1), int(only_needy), span, *_strides(cache)], smem=smem)
 
 
 __all__ = ["decode_attention", "launch_write", "num_splits_for", "read_tiles", "write"]

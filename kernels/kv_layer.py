@@ -57,9 +57,8 @@ class KVLayer:
     def read(self, tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(K, V) [N, H, 16, D] bf16 of these tiles (block * tiles a page + tile) as attention reads them."""
         if self.codec is not None:
-            view = self.pages.view(self.pages.shape[0], self.pages.shape[1], self.layout.tiles,
-                                   self.layout.tile_bytes).transpose(1, 2).reshape(-1, self.pages.shape[1],
-                                                                                   self.layout.tile_bytes)
+            view = self.pages.unflatten(2, (self.layout.tiles, self.layout.tile_bytes)).transpose(1, 2).reshape(
+                -1, self.pages.shape[1], self.layout.tile_bytes)
             return decode_tiles(view[tiles.long().cpu()], tiles.long().cpu(), self.codec.tops, self.layout,
                                 self.overflow)
         from kernels import kv_cuda

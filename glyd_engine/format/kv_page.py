@@ -69,6 +69,20 @@ def valid_reserve(entries: int) -> int:
     return entries + (4 - entries) % RESERVE_STEP
 
 
+ELEMENT_BYTES = 2  # vLLM views a page's bytes as bf16: C (bytes a token) must be a whole number of them
+
+
+def page_reserve(head_size: int, entries: int, code_bits: int = 3) -> int:
+    """The reserve a page holds for `entries` (>= it): whole 16-byte tiles, and C a whole number of bf16 elements.
+
+    vLLM sizes each token's slot in its cache dtype; an odd C would be rounded up by vLLM and its pages padded, so
+    the page code takes those bytes as escape room instead (8 more entries a tile) and pages stay dense."""
+    r = valid_reserve(entries)
+    while tile_bytes(head_size, r, code_bits) % (TILE * ELEMENT_BYTES):
+        r += RESERVE_STEP
+    return r
+
+
 def plane_bytes(head_size: int, code_bits: int = 3) -> tuple[int, int]:
     """(L plane, hi plane) bytes of one tile's K or V."""
     return TILE * head_size, TILE * head_size * code_bits // 8
@@ -440,7 +454,7 @@ class KVPageCodec:
         restarted = utile[first == 0]
         if restarted.numel():
             overflow.release(restarted)
-        tiles = cache.view(-1, H, lay.tiles, lay.tile_bytes)
+        tiles = cache.unflatten(2, (lay.tiles, lay.tile_bytes))  # a view at the cache's block and head strides
         blk_u, sub_u = utile // lay.tiles, utile % lay.tiles
         work = tiles[blk_u, :, sub_u].clone()  # the touched tiles [U, H, tile_bytes], written back at the end
         U = utile.numel()

@@ -25,6 +25,7 @@ from glyd_engine.format.kv_page import (
     KVPageLayout,
     check_head_size,
     check_tops,
+    page_reserve,
     token_bytes,
     valid_reserve,
 )
@@ -50,6 +51,11 @@ class KVTables:
     tokens: int  # calibration tokens seen
     build_seconds: float = 0.0
 
+    def __post_init__(self) -> None:
+        # tables are a file's content: built on a GPU, they are still saved, checksummed and shared from host memory
+        self.tops = {b: t.detach().cpu() for b, t in self.tops.items()}
+        self.floor = self.floor.detach().cpu()
+
     @property
     def num_layers(self) -> int:
         return self.floor.shape[0]
@@ -62,12 +68,16 @@ class KVTables:
     def head_size(self) -> int:
         return self.floor.shape[3]
 
+    def page_reserve(self, code_bits: int = 3) -> int:
+        """Escape-list entries a tile of the pages: the calibrated reserve, made whole in bf16 elements."""
+        return page_reserve(self.head_size, self.reserve[code_bits], code_bits)
+
     def token_bytes(self, code_bits: int = 3) -> int:
         """C: page bytes a token and KV head (what vLLM's allocator sees; independent of the block size)."""
-        return token_bytes(self.head_size, self.reserve[code_bits], code_bits)
+        return token_bytes(self.head_size, self.page_reserve(code_bits), code_bits)
 
     def layout(self, block_size: int, code_bits: int = 3) -> KVPageLayout:
-        return KVPageLayout(self.head_size, block_size, self.reserve[code_bits], code_bits)
+        return KVPageLayout(self.head_size, block_size, self.page_reserve(code_bits), code_bits)
 
     def codec(self, layer: int, block_size: int, code_bits: int = 3) -> KVPageCodec:
         return KVPageCodec(self.layout(block_size, code_bits), self.tops[code_bits][layer])

@@ -67,5 +67,6 @@ class GlydBackendBase:
         # vLLM sizes pages with no current config: the config this process decided for has the engine's settings
         c = tables.token_bytes(settings.code_bits(get_current_vllm_config_or_none() or settings.decided_config()))
         elem = torch.empty(0, dtype=spec.dtype).element_size()
-        c += (-c) % elem  # vLLM views the bytes as the spec's dtype
+        if c % elem:  # vLLM views the bytes as the spec's dtype and would pad each token's slot (kv_page.page_reserve)
+            raise ValueError(f"Glyd KV pages of {c} bytes a token are not whole {spec.dtype} elements")
         return replace(spec, state_content_bytes=c)

@@ -154,13 +154,24 @@ def compare_read(st: LayerState, blocks: torch.Tensor, valid: torch.Tensor, k: t
 
 
 def page_view(kv_cache: torch.Tensor, page_bytes: int) -> torch.Tensor:
-    """vLLM's per-layer cache [blocks, H, B, C'] (any dtype) -> [blocks, H, page_bytes] uint8, no copy."""
-    raw = kv_cache.view(torch.uint8)
+    """vLLM's per-layer cache [blocks, H, B, C'] (any dtype) -> [blocks, H, page_bytes] uint8, no copy.
+
+    Blocks and heads keep vLLM's strides (its layouts may pad a page or put other layers' pages between blocks);
+    only a page's own bytes must be one run, which every layout with C innermost gives."""
+    raw = kv_cache.view(torch.uint8)  # the last dim is contiguous in every layout vLLM makes
     nb, h, b, c = raw.shape
-    flat = raw.view(nb, h, b * c)  # raises if a page is not contiguous: the LBHNC layout keeps it so
     if b * c < page_bytes:
         raise ValueError(f"vLLM allocated {b * c} bytes a page, the page code needs {page_bytes}")
-    return flat[:, :, :page_bytes]
+    if raw.stride(3) != 1 or (b > 1 and raw.stride(2) != c):
+        raise ValueError(f"Glyd KV cache: vLLM's cache view has strides {kv_cache.stride()}, where a page's tokens "
+                         f"are not one run of bytes; {settings_hint()}")
+    return raw.as_strided((nb, h, page_bytes), (raw.stride(0), raw.stride(1), 1))
+
+
+def settings_hint() -> str:
+    from glyd_engine.vllm_plugin.settings import OFF_HINT
+
+    return OFF_HINT
 
 
 def worker_stats(worker: Any = None) -> dict[str, int]:

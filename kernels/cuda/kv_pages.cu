@@ -349,7 +349,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) kv_decode_a
     const u8* __restrict__ cache, const u8* __restrict__ tops, const int* __restrict__ ovf_ptr,
     const long long* __restrict__ arena_ref, const int* __restrict__ block_table, const int* __restrict__ seq_lens,
     float scale_log2, int stride_q0, int stride_q1, int stride_o0, int stride_o1, int bt_stride, int num_kv_heads,
-    int num_splits) {
+    int num_splits, long long block_stride, long long head_stride) {
   extern __shared__ __align__(16) u8 smem_raw[];
   Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
   const int split = blockIdx.x, h = blockIdx.y, seq = blockIdx.z;
@@ -361,7 +361,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) kv_decode_a
   const int t_begin = split * tiles_per_split;
   const int t_end = min(n_tiles, t_begin + tiles_per_split);
 
-  const u8* head_base = cache + (long)h * PAGE_BYTES;
+  const u8* head_base = cache + h * head_stride;  // pages at vLLM's strides (bytes), padded or interleaved
   const int* bt = block_table + (long)seq * bt_stride;
 
   Buf b0;
@@ -377,7 +377,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) kv_decode_a
     return (long)__shfl_sync(FULL, blk_lane, kk & 31);
   };
   auto tile_ptr = [&](long blk, int tl) -> const u8* {
-    return head_base + blk * (long)num_kv_heads * PAGE_BYTES + (tl % TPP) * TILE_BYTES;
+    return head_base + blk * block_stride + (tl % TPP) * TILE_BYTES;
   };
 #if !RING
   auto fetch = [&](Buf& bf_, int kk, int tl) {
@@ -817,10 +817,10 @@ extern "C" __global__ void kv_merge(u16* __restrict__ out, const float* __restri
 extern "C" __global__ void __launch_bounds__(32) kv_read_tiles(
     u16* __restrict__ out_k, u16* __restrict__ out_v, const u8* __restrict__ cache, const u8* __restrict__ tops,
     const int* __restrict__ ovf_ptr, const long long* __restrict__ arena_ref, const long long* __restrict__ gtiles,
-    int num_kv_heads) {
+    int num_kv_heads, long long block_stride, long long head_stride) {
   const int n = blockIdx.x, h = blockIdx.y, lane = threadIdx.x, g = lane >> 2, tig = lane & 3;
   const long gtile = gtiles[n];
-  const u8* tp = cache + ((gtile / TPP) * num_kv_heads + h) * (long)PAGE_BYTES + (gtile % TPP) * TILE_BYTES;
+  const u8* tp = cache + (gtile / TPP) * block_stride + h * head_stride + (gtile % TPP) * TILE_BYTES;
   const uint2 tr = ld8(tp + TR);
   for (int kind = 0; kind < 2; ++kind) {
     Planes pl;
@@ -915,7 +915,7 @@ __device__ void write_run(WSmem& sm, u8* __restrict__ cache, const u16* __restri
                           const u8* __restrict__ tops, int* __restrict__ ovf_ptr, u16* __restrict__ arena,
                           int* __restrict__ alloc, int arena_units, int* __restrict__ need, int i0, int h,
                           int num_tokens, int num_kv_heads, int k_stride0, int k_stride1, int v_stride0, int v_stride1,
-                          int only_needy) {
+                          int only_needy, long long block_stride, long long head_stride) {
   const int tid = threadIdx.x;
   const long s0 = slots[i0];
   const long gtile = s0 / 16;
@@ -924,7 +924,7 @@ __device__ void write_run(WSmem& sm, u8* __restrict__ cache, const u16* __restri
   const int t0 = int(s0 % 16);
   int n = 1;
   while (n < 16 - t0 && i0 + n < num_tokens && slots[i0 + n] == s0 + n) ++n;
-  u8* tp = cache + ((gtile / TPP) * num_kv_heads + h) * (long)PAGE_BYTES + (gtile % TPP) * TILE_BYTES;
+  u8* tp = cache + (gtile / TPP) * block_stride + h * head_stride + (gtile % TPP) * TILE_BYTES;
   const bool whole = t0 == 0 && n == 16;
 
   // the run's K/V rows, 8 channels (16 bytes) a thread and item; each item's load is issued one item ahead (the
@@ -1107,7 +1107,8 @@ extern "C" __global__ void __launch_bounds__(WTHREADS, WMIN_BLOCKS) kv_write(
     u8* __restrict__ cache, const u16* __restrict__ key, const u16* __restrict__ value,
     const long long* __restrict__ slots, const u8* __restrict__ tops, int* __restrict__ ovf_ptr,
     const long long* __restrict__ arena_ref, int* __restrict__ alloc, int* __restrict__ need, int num_tokens,
-    int num_kv_heads, int k_stride0, int k_stride1, int v_stride0, int v_stride1, int only_needy, int span) {
+    int num_kv_heads, int k_stride0, int k_stride1, int v_stride0, int v_stride1, int only_needy, int span,
+    long long block_stride, long long head_stride) {
   extern __shared__ __align__(16) u8 wsmem_raw[];
   WSmem& sm = *reinterpret_cast<WSmem*>(wsmem_raw);
   u16* const arena = reinterpret_cast<u16*>(arena_ref[0]);  // read here, not baked into a captured launch
@@ -1129,7 +1130,7 @@ extern "C" __global__ void __launch_bounds__(WTHREADS, WMIN_BLOCKS) kv_write(
     const int j = __ffs(leaders) - 1;
     leaders &= leaders - 1;
     write_run(sm, cache, key, value, slots, tops, ovf_ptr, arena, alloc, arena_units, need, first + j, h, num_tokens,
-              num_kv_heads, k_stride0, k_stride1, v_stride0, v_stride1, only_needy);
+              num_kv_heads, k_stride0, k_stride1, v_stride0, v_stride1, only_needy, block_stride, head_stride);
   }
 }
 
