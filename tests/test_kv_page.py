@@ -7,6 +7,16 @@ from hypothesis import strategies as st
 
 from glyd_engine.errors import UnsupportedModelError
 from glyd_engine.format import bf16, kv_page
+from glyd_engine.format.kv_page import (
+    CODE_BITS,
+    HEAD_SIZES,
+    RESERVE_STEP,
+    KVPageCodec,
+    KVPageLayout,
+    page_reserve,
+    token_bytes,
+    valid_reserve,
+)
 from tests.test_bf16_planes import all_patterns
 
 
@@ -241,3 +251,40 @@ def test_best_windows_hold_the_most_and_never_zero_or_inf():
     with pytest.raises(ValueError, match="8..254"):
         kv_page.KVPageCodec(kv_page.KVPageLayout(64, 16, 12), torch.full((2, 1, 64), 7, dtype=torch.uint8))
     assert kv_page.OverflowStore(1, 1, initial_entries=10).arena.numel() == 16  # whole 8-entry runs
+
+
+@pytest.mark.parametrize("head_size", HEAD_SIZES)
+@pytest.mark.parametrize("code_bits", CODE_BITS)
+def test_page_reserve_gives_whole_bf16_tokens(head_size, code_bits):
+    """vLLM views a page as bf16: an odd C would be padded, leaving pages that are not one run of bytes."""
+    for entries in range(0, 200):
+        r = page_reserve(head_size, entries, code_bits)
+        assert r >= entries and r == valid_reserve(r) and r - valid_reserve(entries) in (0, RESERVE_STEP)
+        assert token_bytes(head_size, r, code_bits) % 2 == 0
+
+
+def test_codec_on_strided_pages():
+    """Pages at vLLM's strides (each block padded, or other layers' pages between blocks) hold the same bytes."""
+    lay = KVPageLayout(64, 32, page_reserve(64, 20, 3), 3)
+    codec = KVPageCodec(lay, torch.full((2, 2, 64), 127, dtype=torch.uint8))
+    dense = codec.new_cache(6)
+    backing = torch.zeros(6, 3, 2, lay.page_bytes + 48, dtype=torch.uint8)  # 3 layers interleaved, padded pages
+    strided = backing[:, 1, :, : lay.page_bytes]
+    assert not strided.is_contiguous()
+    g = torch.Generator().manual_seed(0)
+    key = (torch.randn(40, 2, 64, generator=g) * 3).to(torch.bfloat16)
+    value = torch.randn(40, 2, 64, generator=g).to(torch.bfloat16)
+    key[3, 0, 5] = float("inf")
+    value[7, 1, 9] = 1e-40
+    slots = torch.cat([torch.arange(32, 52), torch.arange(128, 148)])
+    overflow = {}
+    for name, cache in (("dense", dense), ("strided", strided)):
+        overflow[name] = codec.new_overflow(6)
+        codec.write(cache, overflow[name], key, value, slots)
+    assert torch.equal(strided, dense)
+    assert int(backing[:, 0].count_nonzero()) == 0 and int(backing[:, 2].count_nonzero()) == 0
+    assert int(backing[:, 1, :, lay.page_bytes :].count_nonzero()) == 0  # nothing past a page's bytes
+    k, v = codec.read(strided, overflow["strided"], torch.tensor([1, 4]))  # the blocks the slots fall in
+    for got, want in ((k, key), (v, value)):
+        rows = torch.cat([got[0, :, :20], got[1, :, :20]], dim=1).transpose(0, 1)  # [40, H, D]
+        assert torch.equal(rows.contiguous().view(torch.int16), want.view(torch.int16))

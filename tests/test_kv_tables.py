@@ -21,7 +21,9 @@ def test_file_round_trip_and_damage(tmp_path):
     t.save(p)
     back = KVTables.load(p, "abc")
     assert all(torch.equal(back.tops[b], t.tops[b]) for b in (3, 4)) and back.reserve == t.reserve
-    assert back.token_bytes(3) == 182 and back.token_bytes(4) == 193  # 4-entry reserve: (3072 + 8 + 8) / 16
+    # the 4-bit code's 4-entry reserve would give (3072 + 8 + 8) / 16 = 193 bytes a token, which vLLM pads to a
+    # whole bf16 element: the page takes 8 more entries instead, (3072 + 8 + 24) / 16 = 194, and stays dense
+    assert back.token_bytes(3) == 182 and back.token_bytes(4) == 194 and back.page_reserve(4) == 12
     with pytest.raises(CorruptFileError, match="another model"):
         KVTables.load(p, "other")
     data = bytearray(p.read_bytes())

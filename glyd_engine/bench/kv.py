@@ -36,23 +36,33 @@ def corpus_ids(tokenizer: Any, n: int, skip: int = 0) -> list[int]:
 
 
 def _engine(spec: dict[str, Any]) -> Any:
+    """One engine for a spec. On the CPU build eager unless `compiled`; with `gpu`, vLLM's defaults (torch.compile,
+    CUDA graphs) unless `eager`, its KV budget a fixed `kv_bytes` or else `gpu_memory_utilization`."""
     from vllm import LLM
 
     from glyd_engine.engine.engine_args import engine_args
     from glyd_engine.engine.protocol import EngineSettings
 
+    gpu = bool(spec.get("gpu"))
+    eager = bool(spec.get("eager")) if gpu else not spec.get("compiled")  # compiled: vLLM's default (torch.compile)
+    kv_bytes = int(spec.get("kv_bytes", 0 if gpu else DEFAULT_KV_BYTES)) or None
     settings = EngineSettings(kv=spec["mode"], max_model_len=int(spec.get("max_model_len", 8192)),
-                              kv_cache_bytes=int(spec.get("kv_bytes", DEFAULT_KV_BYTES)),
-                              enforce_eager=not spec.get("compiled"),  # compiled: vLLM's default (torch.compile)
+                              kv_cache_bytes=kv_bytes, enforce_eager=eager,
+                              gpu_memory_utilization=float(spec.get("gpu_memory_utilization", 0.85)),
                               max_num_batched_tokens=int(spec.get("max_num_batched_tokens") or 0) or None)
     glyd: dict[str, Any] = {"check": True} if spec.get("check") else {}
-    if spec.get("kernels"):
-        glyd["kernels"] = spec["kernels"]
-    extra = {k: int(spec[k]) for k in ("max_num_seqs", "block_size") if spec.get(k)}
-    if spec.get("quantization"):
-        extra["quantization"] = spec["quantization"]
-    return LLM(**engine_args(spec["model"], settings, cpu=True, glyd=glyd, seed=0, enable_prefix_caching=True,
-                             enable_chunked_prefill=True, disable_log_stats=False, **extra))
+    for key in ("kernels", "code"):
+        if spec.get(key):
+            glyd[key] = str(spec[key])
+    extra: dict[str, Any] = {k: int(spec[k]) for k in ("max_num_seqs", "block_size") if spec.get(k)}
+    for key in ("quantization", "attention_backend"):
+        if spec.get(key):
+            extra[key] = spec[key]
+    if "prefix_caching" in spec:
+        extra["enable_prefix_caching"] = bool(spec["prefix_caching"])
+    return LLM(**engine_args(spec["model"], settings, cpu=not gpu, glyd=glyd, seed=0,
+                             **{"enable_prefix_caching": True, "enable_chunked_prefill": True,
+                                "disable_log_stats": False, **extra}))
 
 
 def _prompt_logprobs(llm: Any, prompts: list[list[int]]) -> list[list[float]]:
@@ -101,6 +111,8 @@ def _counters(llm: Any) -> dict[str, float]:
 
 
 def run_child(spec: dict[str, Any]) -> dict[str, Any]:
+    if spec.get("one_schedule"):  # the engine core in this process: every prompt queued before the first step
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import vllm
 
     t0 = time.monotonic()

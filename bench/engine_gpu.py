@@ -1,0 +1,143 @@
+"""Glyd inside vLLM's CUDA build: engines side by side on one GPU, each in its own child process.
+
+Every engine is a child of `glyd_engine.bench.kv` (its engine core in-process, every prompt queued before the first
+step: one schedule, so off repeats itself bit for bit and lossless must reproduce it). A plan names the engines and
+their workloads; the parent compares each engine with its plan's reference (off under the same settings): KV tokens,
+prompt logprobs bit for bit (positions differing, the largest difference), greedy tokens, the values read back.
+Writes each child's raw result and the comparison as JSON under --out, prints a table, and exits non-zero when a
+check fails (a differing value, logprob or token where the plan demands equality) or an engine fails to start.
+
+Run (device, vLLM staged):  PYTHONUNBUFFERED=1 python3 bench/engine_gpu.py --model DIR --plan start --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from glyd_engine.bench.kv import run_engine  # noqa: E402
+
+GIB = 1 << 30
+
+
+def plans(model: str, logprob_prompts: int, logprob_len: int) -> dict[str, list[dict[str, Any]]]:
+    """Named lists of engine specs; the first of a plan is its reference (off under the same settings)."""
+    work = {"logprobs": [logprob_len] * logprob_prompts,
+            "greedy": {"prompts": [300 + 37 * i for i in range(8)], "max_tokens": 64},
+            "prefix": {"n": 8, "prefix": 600, "tail": 40, "max_tokens": 32},
+            "speed": {"batch": 64, "prompt": 64, "max_tokens": 128}}
+    base = {"model": model, "gpu": True, "one_schedule": True, "kv_bytes": 2 * GIB,
+            "max_model_len": max(4096, logprob_len + 64), "work": work}
+    return {
+        # does each mode start with vLLM's defaults and with --enforce-eager, and is what it stores exact
+        "start": [
+            {**base, "name": "off", "mode": "off"},
+            {**base, "name": "lossless", "mode": "lossless"},
+            {**base, "name": "lossless-eager", "mode": "lossless", "eager": True},
+            {**base, "name": "lossless-check", "mode": "lossless", "eager": True, "check": True,
+             "work": {k: v for k, v in work.items() if k != "speed"}},
+        ],
+    }
+
+
+def _diff(a: list[list[float]] | None, b: list[list[float]] | None) -> dict[str, Any]:
+    """Prompt logprobs of two engines: positions compared, positions whose bits differ, the largest difference."""
+    if not a or not b:
+        return {"positions": 0, "differing": None, "max_abs_diff": None}
+    n = differing = 0
+    worst = 0.0
+    for ra, rb in zip(a, b, strict=True):
+        for x, y in zip(ra, rb, strict=True):
+            n += 1
+            if json.dumps(x) != json.dumps(y) or math.copysign(1, x) != math.copysign(1, y):
+                differing += 1
+                if math.isfinite(x) and math.isfinite(y):
+                    worst = max(worst, abs(x - y))
+    return {"positions": n, "differing": differing, "max_abs_diff": worst}
+
+
+def compare(ref: dict[str, Any], got: dict[str, Any]) -> dict[str, Any]:
+    lp = _diff(ref.get("prompt_logprobs"), got.get("prompt_logprobs"))
+    greedy = [a == b for a, b in zip(ref.get("greedy", []), got.get("greedy", []), strict=False)]
+    prefix = [a == b for a, b in zip(ref.get("prefix_greedy", []), got.get("prefix_greedy", []), strict=False)]
+    stats = got.get("stats", {})
+    return {
+        "kv_tokens": got.get("kv_tokens"),
+        "capacity_vs_ref": round(got.get("kv_tokens", 0) / max(1, ref["kv_tokens"]), 4),
+        "start_s": got.get("start_s"), "prompt_logprobs": lp,
+        "greedy_equal": f"{sum(greedy)}/{len(greedy)}", "prefix_greedy_equal": f"{sum(prefix)}/{len(prefix)}",
+        "decode_tokens_per_s": got.get("decode_tokens_per_s"),
+        "speed_vs_ref": round(got["decode_tokens_per_s"] / ref["decode_tokens_per_s"], 3)
+        if got.get("decode_tokens_per_s") and ref.get("decode_tokens_per_s") else None,
+        "values_checked": stats.get("values_checked"), "values_differing": stats.get("values_differing"),
+        "escapes": stats.get("escapes"), "overflow_values": stats.get("overflow_values"),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--plan", default="start")
+    ap.add_argument("--only", default="", help="comma-separated engine names of the plan to run")
+    ap.add_argument("--out", type=Path, default=Path("."))
+    ap.add_argument("--budget-s", type=float, default=480, help="start no engine past this many seconds")
+    ap.add_argument("--timeout-s", type=float, default=300)
+    ap.add_argument("--logprob-prompts", type=int, default=15)
+    ap.add_argument("--logprob-len", type=int, default=2048)
+    a = ap.parse_args(argv)
+    a.out.mkdir(parents=True, exist_ok=True)
+    specs = plans(a.model, a.logprob_prompts, a.logprob_len)[a.plan]
+    if a.only:
+        keep = set(a.only.split(","))
+        specs = [s for s in specs if s["name"] in keep or s is specs[0]]
+    t0 = time.monotonic()
+    results: dict[str, Any] = {}
+    failures: list[str] = []
+    for spec in specs:
+        if time.monotonic() - t0 > a.budget_s:
+            failures.append(f"{spec['name']}: not run (budget)")
+            continue
+        print(f"== {spec['name']} ({time.monotonic() - t0:.0f} s)", flush=True)
+        try:
+            res = run_engine(spec, timeout=a.timeout_s, log=a.out / f"{spec['name']}.log")
+            res.pop("log", None)
+            results[spec["name"]] = res
+        except Exception as exc:  # a failed start is a result: keep going, report it, exit non-zero
+            failures.append(f"{spec['name']}: {str(exc).splitlines()[0][:400]}")
+            traceback.print_exc(limit=1)
+    ref_name = specs[0]["name"]
+    table = {}
+    if ref_name in results:
+        for name, res in results.items():
+            table[name] = compare(results[ref_name], res)
+            row = table[name]
+            lp = row["prompt_logprobs"]
+            print(f"{name:16s} kv_tokens={row['kv_tokens']} ({row['capacity_vs_ref']}x) start={row['start_s']}s "
+                  f"logprobs differing={lp['differing']}/{lp['positions']} max={lp['max_abs_diff']} "
+                  f"greedy={row['greedy_equal']} prefix={row['prefix_greedy_equal']} "
+                  f"tok/s={row['decode_tokens_per_s']} ({row['speed_vs_ref']}x) "
+                  f"checked={row['values_checked']} differing={row['values_differing']}", flush=True)
+    for f in failures:
+        print("FAILED", f)
+    import torch
+
+    doc = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+           "plan": a.plan, "model": a.model, "table": table, "failures": failures,
+           "results": {k: {kk: vv for kk, vv in v.items() if kk != "prompt_logprobs_bits"} for k, v in results.items()}}
+    (a.out / f"engine_{a.plan}.json").write_text(json.dumps(doc, indent=1))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
