@@ -43,6 +43,7 @@ def plans(model: str, logprob_prompts: int, logprob_len: int) -> dict[str, list[
         "start": [
             {**base, "name": "off", "mode": "off"},
             {**base, "name": "lossless", "mode": "lossless"},
+            {**base, "name": "exact", "mode": "exact"},
             {**base, "name": "lossless-eager", "mode": "lossless", "eager": True},
             {**base, "name": "lossless-check", "mode": "lossless", "eager": True, "check": True,
              "work": {k: v for k, v in work.items() if k != "speed"}},

@@ -44,6 +44,23 @@ class GlydGPUMetadata:
     block_table: torch.Tensor  # int32 [S, max_blocks]
     slot_mapping: torch.Tensor
     num_decodes: int  # leading sequences with one query token each (vLLM orders decodes first for us)
+    # The sequences from `num_decodes` on through vLLM's FlashAttention on their decoded pages (None: torch SDPA)
+    faithful: FaithfulBatch | None = None
+
+
+@dataclass
+class FaithfulBatch:
+    """Sequences attended by vLLM's own FlashAttention over their pages decoded to bf16, exactly as `off` calls it.
+
+    Their pages are decoded into a compact bf16 cache laid out as vLLM's (a block's tokens, each token's heads, K then
+    V), numbered in table order (`tiles`: the pages' tiles to decode), and `metadata` is FlashAttention's own for
+    these sequences with the compact block table: the same kernel, arguments and schedule as vLLM's cache, so the
+    same bits for the same values."""
+
+    metadata: Any  # vLLM's FlashAttentionMetadata
+    first_token: int
+    tiles: torch.Tensor  # int64 [U * tiles a page]
+    blocks: int  # U
 
 
 class GlydGPUMetadataBuilder(AttentionMetadataBuilder[GlydGPUMetadata]):
@@ -52,8 +69,9 @@ class GlydGPUMetadataBuilder(AttentionMetadataBuilder[GlydGPUMetadata]):
     @classmethod
     def get_cudagraph_support(cls, vllm_config: Any, kv_cache_spec: Any) -> AttentionCGSupport:
         """Full graphs for decode batches, except where host code must run each step: check mode (reads pages
-        back) and the reference kernels (the CPU build's tests)."""
-        if settings.check_enabled(vllm_config) or settings.kernels(vllm_config) == "reference":
+        back), exact (decodes the batch's pages) and the reference kernels (the CPU build's tests)."""
+        if settings.check_enabled(vllm_config) or settings.kernels(vllm_config) == "reference" or \
+                settings.decide(vllm_config).mode == "exact":  # exact: FlashAttention on pages decoded each step
             return AttentionCGSupport.NEVER
         return cls._cudagraph_support
 
@@ -68,6 +86,11 @@ class GlydGPUMetadataBuilder(AttentionMetadataBuilder[GlydGPUMetadata]):
         self._full_graphs = cc.cudagraph_mode.has_full_cudagraphs()
         self._max_len = vllm_config.model_config.max_model_len
         self._values_a_token = 2 * kv_cache_spec.num_kv_heads * kv_cache_spec.head_size
+        self._exact = settings.decide(vllm_config).mode == "exact"
+        self._fa = faithful_builder(kv_cache_spec, layer_names, vllm_config, device)
+        if self._exact and self._fa is None:
+            raise ValueError("Glyd KV cache (kv=exact) runs vLLM's FlashAttention over decoded pages, which this vLLM "
+                             "build or GPU lacks; use lossless (every stored value is still exact)")
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> GlydGPUMetadata:
@@ -75,7 +98,7 @@ class GlydGPUMetadataBuilder(AttentionMetadataBuilder[GlydGPUMetadata]):
 
         m = common_attn_metadata
         num_decodes, _, decode_tokens, _ = split_decodes_and_prefills(m, decode_threshold=1)
-        if decode_tokens != num_decodes:  # a decode with no query token: let the prefill path take them all
+        if decode_tokens != num_decodes or self._exact:  # exact: every sequence through FlashAttention
             num_decodes = 0
         n = m.seq_lens.shape[0]
         host = num_decodes < n  # the prefill path loops over sequences on the host
@@ -89,10 +112,46 @@ class GlydGPUMetadataBuilder(AttentionMetadataBuilder[GlydGPUMetadata]):
         self._reserve(tokens if replayable else 0, m.num_actual_tokens)
         # a full graph of a decode batch keeps the split count it was captured with, for every later length
         split_len = self._max_len if replayable and self._full_graphs and num_decodes == n else m.max_seq_len
+        lens = sl.tolist() if host and sl is not None else None
+        starts = qsl.tolist() if host and qsl is not None else None
+        faithful = None
+        if host and self._fa is not None and lens is not None and starts is not None:
+            faithful = self._faithful(m, num_decodes, lens, starts)
         return GlydGPUMetadata(m.num_actual_tokens, m.max_query_len, m.query_start_loc, split_len, m.seq_lens,
-                               sl.tolist() if host and sl is not None else None,
-                               qsl.tolist() if host and qsl is not None else None,
-                               m.block_table_tensor, m.slot_mapping, num_decodes)
+                               lens, starts, m.block_table_tensor, m.slot_mapping, num_decodes, faithful)
+
+    def _faithful(self, m: CommonAttentionMetadata, first: int, lens: list[int], starts: list[int]) -> FaithfulBatch:
+        """FlashAttention's metadata for sequences `first`.. (all of the batch but its decodes) over a compact copy of
+        their pages: the same metadata vLLM builds for them, but for block numbers in table order."""
+        import dataclasses
+
+        bs = self.kv_cache_spec.block_size
+        n = len(lens)
+        counts = [-(-lens[s] // bs) for s in range(first, n)]
+        width = max(counts)
+        table = torch.zeros(n - first, width, dtype=torch.int32)
+        rows, cols, u = [], [], 0
+        for i, c in enumerate(counts):
+            table[i, :c] = torch.arange(u, u + c, dtype=torch.int32)
+            rows += [first + i] * c
+            cols += range(c)
+            u += c
+        dev = m.block_table_tensor.device
+        blocks = m.block_table_tensor[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)].to(torch.int64)
+        tpp = bs // 16
+        tiles = (blocks.view(-1, 1) * tpp + torch.arange(tpp, device=dev)).reshape(-1)
+        t0 = starts[first]
+        sub = m
+        if first:
+            qsl_cpu = m.query_start_loc_cpu[first : n + 1] - t0
+            upper = getattr(m, "seq_lens_cpu_upper_bound", None)
+            sub = dataclasses.replace(
+                m, query_start_loc=m.query_start_loc[first : n + 1] - t0, query_start_loc_cpu=qsl_cpu,
+                seq_lens=m.seq_lens[first:n], num_reqs=n - first, num_actual_tokens=m.num_actual_tokens - t0,
+                max_query_len=int((qsl_cpu[1:] - qsl_cpu[:-1]).max()), slot_mapping=m.slot_mapping[t0:],
+                **({"seq_lens_cpu_upper_bound": upper[first:n]} if upper is not None else {}))
+        sub = dataclasses.replace(sub, block_table_tensor=table.to(dev, non_blocking=True))
+        return FaithfulBatch(self._fa.build(0, sub), t0, tiles, u)
 
     def _reserve(self, tokens: int, actual: int) -> None:
         """Each layer's overflow room for this step's write (0: the write checks for itself), and a reserved write's
@@ -105,6 +164,23 @@ class GlydGPUMetadataBuilder(AttentionMetadataBuilder[GlydGPUMetadata]):
             kv.reserve(tokens)
             if kv.reserved:
                 st.codec.stats.values += self._values_a_token * actual
+
+
+def faithful_builder(kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device) -> Any:
+    """vLLM's FlashAttention metadata builder for these layers, or None where FlashAttention cannot run (the CPU
+    build, GPUs it does not support, the reference kernels): prefill then takes torch SDPA on decoded tiles."""
+    if settings.kernels(vllm_config) != "cuda":
+        return None
+    try:
+        from vllm.v1.attention.backends.fa_utils import is_flash_attn_varlen_func_available
+        from vllm.v1.attention.backends.flash_attn import FlashAttentionMetadataBuilder
+
+        if not is_flash_attn_varlen_func_available():
+            return None
+        return FlashAttentionMetadataBuilder(kv_cache_spec, layer_names, vllm_config, device)
+    except Exception as exc:  # any failure to set FlashAttention up leaves the SDPA prefill path
+        state.log.info("Glyd KV cache: prefill runs torch SDPA on decoded pages (FlashAttention unavailable: %s)", exc)
+        return None
 
 
 class GlydGPUAttentionBackend(GlydBackendBase, AttentionBackend):
@@ -153,6 +229,14 @@ class GlydGPUAttentionImpl(AttentionImpl):
         self.impl = "torch" if settings.kernels(cfg) == "reference" else "cuda"
         self.tables = state.load_tables(cfg.model_config.model)
         self.code_bits = settings.code_bits(cfg)
+        self._fa_impl: Any = None
+        if self.impl == "cuda":
+            try:
+                from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
+
+                self._fa_impl = FlashAttentionImpl(num_heads, head_size, scale, self.num_kv_heads, None, None, "auto")
+            except Exception:  # the builder then plans no FlashAttention batch either (faithful_builder)
+                self._fa_impl = None
 
     def _state(self, layer: Any, kv_cache: torch.Tensor) -> state.LayerState:
         st = state.LAYERS.get(layer.layer_name)
@@ -203,14 +287,39 @@ class GlydGPUAttentionImpl(AttentionImpl):
         n = md.num_actual_tokens
         num_reqs = md.seq_lens.shape[0]
         out = output[:n].view(n, self.num_heads, self.head_size)
-        kv.attend(query[:n].view(n, self.num_heads, self.head_size), out, md.block_table[:num_reqs], md.seq_lens,
-                  md.query_start_loc, md.split_len, self.scale, md.num_decodes, md.seq_lens_cpu,
-                  md.query_start_cpu)
+        q = query[:n].view(n, self.num_heads, self.head_size)
+        fb = md.faithful
+        if fb is not None and self._fa_impl is not None:
+            nd = md.num_decodes
+            if nd:
+                kv.attend(q[:nd], out[:nd], md.block_table[:nd], md.seq_lens[:nd], md.query_start_loc[: nd + 1],
+                          md.split_len, self.scale, nd)
+            self._faithful(layer, kv, fb, query, key, value, output, n)
+        else:
+            kv.attend(q, out, md.block_table[:num_reqs], md.seq_lens, md.query_start_loc, md.split_len, self.scale,
+                      md.num_decodes, md.seq_lens_cpu, md.query_start_cpu)
         if 0 < md.num_decodes < num_reqs:
             state.STATS.split_batches += 1
         if st.shadow is not None and not state.COMPARE["paused"]:
             self._check(st, kv, md)
         return output
+
+    def _faithful(self, layer: Any, kv: Any, fb: FaithfulBatch, query: torch.Tensor, key: torch.Tensor,
+                  value: torch.Tensor, output: torch.Tensor, n: int) -> None:
+        """vLLM's FlashAttention over the batch's pages decoded into a compact bf16 cache in vLLM's own layout."""
+        lay = kv.layout
+        h, d = self.num_kv_heads, self.head_size
+        k, v = kv.read(fb.tiles)  # [U * tiles, H, 16, D]
+        cache = torch.empty(fb.blocks, lay.block_size, h, 2 * d, dtype=torch.bfloat16, device=k.device)
+        view = cache.view(fb.blocks, lay.tiles, 16, h, 2 * d)
+        view[..., :d] = k.view(fb.blocks, lay.tiles, h, 16, d).transpose(2, 3)
+        view[..., d:] = v.view(fb.blocks, lay.tiles, h, 16, d).transpose(2, 3)
+        t0 = fb.first_token
+        hq = self.num_heads
+        # vLLM hands FlashAttention a layer's cache as [blocks, KV heads, tokens, 2 x head] over this memory order
+        self._fa_impl.forward(layer, query.view(-1, hq, d)[t0:n], key.view(-1, h, d)[t0:n],
+                              value.view(-1, h, d)[t0:n], cache.transpose(1, 2), fb.metadata,
+                              output.view(-1, hq, d)[t0:n])
 
     @staticmethod
     def _check(st: state.LayerState, kv: Any, md: GlydGPUMetadata) -> None:

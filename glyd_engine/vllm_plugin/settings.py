@@ -113,9 +113,9 @@ def _platform_refusal(vllm_config: Any, mode: str) -> str | None:
         return f"{ENV_KERNELS}=torch is the CPU build's path; on CUDA the CUDA kernels run (unset it)"
     if plat == "cpu" and use == "cuda":
         return f"{ENV_KERNELS}=cuda needs an NVIDIA GPU; on the CPU build unset {ENV_KERNELS}"
-    if mode == "exact" and use in ("cuda", "reference"):
-        return ("exact runs vLLM's own attention on decoded pages, which only the CPU build's path does; "
-                "use lossless (every stored value is still exact)")
+    if mode == "exact" and use == "reference":
+        return ("exact runs vLLM's own attention on decoded pages: on the CPU build its torch path "
+                f"(unset {ENV_KERNELS}), on CUDA its FlashAttention; use lossless (every stored value is still exact)")
     return None
 
 

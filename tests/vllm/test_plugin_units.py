@@ -61,6 +61,9 @@ def test_kernel_choice_by_platform_and_refusals(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(settings, "platform_name", lambda: "cuda")
     assert settings.kernels(cfg) == "cuda" and hooks.backend_path(settings.resolve(cfg)) == hooks.GPU_BACKEND_PATH
     assert settings.resolve(cfg).mode == "lossless"
+    exact = settings.resolve(_config("exact"))  # on CUDA: vLLM's FlashAttention over decoded pages
+    assert exact.mode == "exact" and hooks.backend_path(exact) == hooks.GPU_BACKEND_PATH
+    monkeypatch.setenv("GLYD_KV_KERNELS", "reference")  # the CPU build's run of the GPU wiring has no FlashAttention
     with pytest.raises(ValueError, match="exact runs vLLM's own attention on decoded pages.*use lossless"):
         settings.resolve(_config("exact"))
     monkeypatch.setenv("GLYD_KV_KERNELS", "torch")
@@ -377,6 +380,10 @@ def test_gpu_builder_graph_support_and_step_reservations(monkeypatch: pytest.Mon
                           ({"kernels": "cuda", "check": True}, AttentionCGSupport.NEVER),
                           ({"kernels": "reference"}, AttentionCGSupport.NEVER)):
         assert builder_cls.get_cudagraph_support(_config(additional_config={"glyd": section}), spec) == want
+    with monkeypatch.context() as m:  # exact decodes each step's pages for FlashAttention: host code every step
+        m.setattr(settings, "platform_name", lambda: "cuda")
+        exact = _config(additional_config={"glyd": {"kv": "exact"}})
+        assert builder_cls.get_cudagraph_support(exact, spec) == AttentionCGSupport.NEVER
 
     layers = {f"model.layers.{i}.self_attn.attn": _RecordingLayer() for i in range(2)}
     stats = {name: SimpleNamespace(values=0) for name in layers}
