@@ -288,3 +288,37 @@ def test_codec_on_strided_pages():
     for got, want in ((k, key), (v, value)):
         rows = torch.cat([got[0, :, :20], got[1, :, :20]], dim=1).transpose(0, 1)  # [40, H, D]
         assert torch.equal(rows.contiguous().view(torch.int16), want.view(torch.int16))
+
+
+def test_page_view_of_vllm_layouts():
+    """The backend's view of vLLM's per-layer cache: dense, padded per block, or with other layers' pages between
+    blocks (a block-outermost layout), each page one run of bytes; a view that splits a page is refused."""
+    from glyd_engine.vllm_plugin.state import page_view
+    from kernels.kv_layer import KVLayer
+
+    lay = KVPageLayout(64, 16, page_reserve(64, 20, 3), 3)
+    c = lay.token_bytes // 2  # bf16 elements a token
+    tops = torch.full((2, 2, 64), 127, dtype=torch.uint8)
+    key = (torch.randn(16, 2, 64) * 4).to(torch.bfloat16)
+    value = torch.randn(16, 2, 64).to(torch.bfloat16)
+    slots = torch.arange(48, 64)  # block 3
+    layouts = {
+        "dense": torch.zeros(5, 2, 16, c, dtype=torch.bfloat16),
+        "interleaved": torch.zeros(5, 4, 2, 16, c, dtype=torch.bfloat16)[:, 2],  # [B, L, H, N, C]: layer 2
+        "padded": torch.zeros(5, 2 * 16 * c + 32, dtype=torch.bfloat16)[:, : 2 * 16 * c].view(5, 2, 16, c),
+    }
+    read = {}
+    for name, cache in layouts.items():
+        pages = page_view(cache, lay.page_bytes)
+        assert pages.shape == (5, 2, lay.page_bytes) and pages.untyped_storage().data_ptr() == \
+            cache.untyped_storage().data_ptr()
+        kv = KVLayer(lay, tops, pages, impl="torch")
+        kv.write(key, value, slots)
+        k, v = kv.read(torch.tensor([3]))
+        read[name] = (k, v)
+        assert torch.equal(k[0].transpose(0, 1).contiguous().view(torch.int16), key.view(torch.int16))
+        assert torch.equal(v[0].transpose(0, 1).contiguous().view(torch.int16), value.view(torch.int16))
+    assert int(layouts["interleaved"].count_nonzero()) > 0
+    split = torch.zeros(5, 2, c, 16, dtype=torch.bfloat16).transpose(2, 3)  # a page's tokens not one run
+    with pytest.raises(ValueError, match="not one run of bytes"):
+        page_view(split, lay.page_bytes)

@@ -158,13 +158,14 @@ def page_view(kv_cache: torch.Tensor, page_bytes: int) -> torch.Tensor:
 
     Blocks and heads keep vLLM's strides (its layouts may pad a page or put other layers' pages between blocks);
     only a page's own bytes must be one run, which every layout with C innermost gives."""
-    raw = kv_cache.view(torch.uint8)  # the last dim is contiguous in every layout vLLM makes
-    nb, h, b, c = raw.shape
+    nb, h, b, c = kv_cache.shape
+    c *= kv_cache.element_size()
     if b * c < page_bytes:
         raise ValueError(f"vLLM allocated {b * c} bytes a page, the page code needs {page_bytes}")
-    if raw.stride(3) != 1 or (b > 1 and raw.stride(2) != c):
+    if kv_cache.stride(3) != 1 or (b > 1 and kv_cache.stride(2) * kv_cache.element_size() != c):
         raise ValueError(f"Glyd KV cache: vLLM's cache view has strides {kv_cache.stride()}, where a page's tokens "
                          f"are not one run of bytes; {settings_hint()}")
+    raw = kv_cache.view(torch.uint8)
     return raw.as_strided((nb, h, page_bytes), (raw.stride(0), raw.stride(1), 1))
 
 
