@@ -30,7 +30,7 @@ from glyd_engine.bench.kv import run_engine  # noqa: E402
 GIB = 1 << 30
 
 
-def plans(model: str, logprob_prompts: int, logprob_len: int) -> dict[str, list[dict[str, Any]]]:
+def plans(model: str, logprob_prompts: int, logprob_len: int, packed: str = "") -> dict[str, list[dict[str, Any]]]:
     """Named lists of engine specs; the first of a plan is its reference (off under the same settings)."""
     work = {"logprobs": [logprob_len] * logprob_prompts,
             "greedy": {"prompts": [300 + 37 * i for i in range(8)], "max_tokens": 64},
@@ -47,6 +47,14 @@ def plans(model: str, logprob_prompts: int, logprob_len: int) -> dict[str, list[
             {**base, "name": "lossless-eager", "mode": "lossless", "eager": True},
             {**base, "name": "lossless-check", "mode": "lossless", "eager": True, "check": True,
              "work": {k: v for k, v in work.items() if k != "speed"}},
+        ],
+        # a Glyd checkpoint of the same model: lossless (the fused matmul) and exact weights against the bf16 model
+        "weights": [
+            {**base, "name": "bf16", "mode": "off", "work": {**work, "speed": {**work["speed"], "batches": [1, 64]}}},
+            {**base, "name": "glyd-lossless", "mode": "off", "model": packed,
+             "work": {**work, "speed": {**work["speed"], "batches": [1, 64]}}},
+            {**base, "name": "glyd-exact", "mode": "off", "model": packed, "weights": "exact",
+             "work": {**work, "speed": {**work["speed"], "batches": [1, 64]}}},
         ],
     }
 
@@ -78,6 +86,8 @@ def compare(ref: dict[str, Any], got: dict[str, Any]) -> dict[str, Any]:
         "start_s": got.get("start_s"), "prompt_logprobs": lp,
         "greedy_equal": f"{sum(greedy)}/{len(greedy)}", "prefix_greedy_equal": f"{sum(prefix)}/{len(prefix)}",
         "decode_tokens_per_s": got.get("decode_tokens_per_s"),
+        "decode_tokens_per_s_by_batch": got.get("decode_tokens_per_s_by_batch"),
+        "weights": got.get("weights"),
         "speed_vs_ref": round(got["decode_tokens_per_s"] / ref["decode_tokens_per_s"], 3)
         if got.get("decode_tokens_per_s") and ref.get("decode_tokens_per_s") else None,
         "values_checked": stats.get("values_checked"), "values_differing": stats.get("values_differing"),
@@ -89,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--plan", default="start")
+    ap.add_argument("--packed", default="", help="the model's Glyd checkpoint (plan weights)")
     ap.add_argument("--only", default="", help="comma-separated engine names of the plan to run")
     ap.add_argument("--out", type=Path, default=Path("."))
     ap.add_argument("--budget-s", type=float, default=480, help="start no engine past this many seconds")
@@ -97,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--logprob-len", type=int, default=2048)
     a = ap.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
-    specs = plans(a.model, a.logprob_prompts, a.logprob_len)[a.plan]
+    specs = plans(a.model, a.logprob_prompts, a.logprob_len, a.packed)[a.plan]
     if a.only:
         keep = set(a.only.split(","))
         specs = [s for s in specs if s["name"] in keep or s is specs[0]]

@@ -51,7 +51,7 @@ def _engine(spec: dict[str, Any]) -> Any:
                               gpu_memory_utilization=float(spec.get("gpu_memory_utilization", 0.85)),
                               max_num_batched_tokens=int(spec.get("max_num_batched_tokens") or 0) or None)
     glyd: dict[str, Any] = {"check": True} if spec.get("check") else {}
-    for key in ("kernels", "code"):
+    for key in ("kernels", "code", "weights"):
         if spec.get(key):
             glyd[key] = str(spec[key])
     extra: dict[str, Any] = {k: int(spec[k]) for k in ("max_num_seqs", "block_size") if spec.get(k)}
@@ -146,22 +146,25 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
         outs = _greedy(llm, prompts, int(s["max_tokens"]))
         res["stress"] = {"requests": len(prompts), "completed": sum(len(o) == int(s["max_tokens"]) for o in outs),
                          "seconds": round(time.monotonic() - t, 1)}
-    if "speed" in work:  # {"batch": 8, "prompt": 64, "max_tokens": 64}
+    if "speed" in work:  # {"batch": 8, "prompt": 64, "max_tokens": 64}; "batches": [1, 64] times each
         s = work["speed"]
-        prompts = [corpus_ids(tok, int(s["prompt"]), skip=1000 + 211 * i) for i in range(int(s["batch"]))]
-        _greedy(llm, prompts[:1], 4)  # warm-up
         glyd = spec["mode"] != "off" and spec.get("check")
         if glyd:  # time the cache, not the debug compare (the shadow stays written)
             from glyd_engine.vllm_plugin.state import pause_compare
 
             llm.collective_rpc(pause_compare, args=(True,))
-        t = time.monotonic()
-        outs = _greedy(llm, prompts, int(s["max_tokens"]))
-        dt = time.monotonic() - t
+        by_batch = {}
+        for batch in s.get("batches") or [int(s["batch"])]:
+            prompts = [corpus_ids(tok, int(s["prompt"]), skip=1000 + 211 * i) for i in range(int(batch))]
+            _greedy(llm, prompts, 4)  # warm-up: the same batch's graphs and kernels
+            t = time.monotonic()
+            outs = _greedy(llm, prompts, int(s["max_tokens"]))
+            by_batch[str(batch)] = round(sum(map(len, outs)) / (time.monotonic() - t), 2)
         if glyd:
             llm.collective_rpc(pause_compare, args=(False,))
-        res["decode_tokens_per_s"] = round(sum(map(len, outs)) / dt, 2)
-        res["speed_batch"] = int(s["batch"])
+        res["decode_tokens_per_s_by_batch"] = by_batch
+        res["decode_tokens_per_s"] = by_batch[str((s.get("batches") or [s["batch"]])[-1])]
+        res["speed_batch"] = int((s.get("batches") or [s["batch"]])[-1])
     res["metrics"] = _counters(llm)
     from glyd_engine.vllm_plugin import kv_status
 

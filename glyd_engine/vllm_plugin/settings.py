@@ -40,6 +40,12 @@ ENV_WEIGHT_LAYOUT = "GLYD_WEIGHT_LAYOUT"
 # reference, which is how the tests run it in the real engine). auto: fragment on CUDA where the weight's shape
 # allows it and the CUDA matmul builds, resident elsewhere.
 WEIGHT_LAYOUTS = ("auto", "resident", "fragment")
+ENV_WEIGHTS = "GLYD_WEIGHTS"
+# What a Glyd checkpoint's matmuls compute: lossless (auto; the weights decoded inside the CUDA matmul for small
+# batches: every weight exact, the products summed in the kernel's order, so outputs may differ from the bf16
+# model's in the last bits) or exact (each weight decoded to bf16 and multiplied by the bf16 model's own GEMM: its
+# outputs bit for bit, slower). On the CPU build both decode and run vLLM's GEMM: exact either way.
+WEIGHT_MODES = ("auto", "lossless", "exact")
 
 # Platforms where the lossless cache is measured at least as fast as vLLM's own (docs/vllm.md, "auto").
 # The CPU path decodes pages in plain torch and is slower than vLLM's C++ kernel: not listed.
@@ -75,6 +81,16 @@ def _choice(vllm_config: Any, key: str, env: str, choices: tuple[str, ...], what
 def asked_mode(vllm_config: Any = None) -> KVMode:
     """The KV mode asked for an engine (None: before any engine config, from GLYD_KV alone)."""
     return kv_mode.asked(glyd_section(vllm_config))
+
+
+def weights_mode(vllm_config: Any = None) -> str:
+    """lossless or exact: how this engine's Glyd matmuls run (GLYD_WEIGHTS, or additional_config glyd.weights)."""
+    if vllm_config is None:
+        from vllm.config import get_current_vllm_config_or_none
+
+        vllm_config = get_current_vllm_config_or_none()
+    asked = _choice(vllm_config, "weights", ENV_WEIGHTS, WEIGHT_MODES, "Glyd weights mode")
+    return "lossless" if asked == "auto" else asked
 
 
 def check_enabled(vllm_config: Any = None) -> bool:

@@ -34,7 +34,7 @@ from glyd_engine.format import FORMAT_VERSION, resident
 from glyd_engine.format import fragment_weight as fw
 from glyd_engine.format import weights as wcode
 from glyd_engine.format.checkpoint import MIN_PACKED_VALUES, QUANT_METHOD
-from glyd_engine.vllm_plugin.settings import ENV_WEIGHT_LAYOUT, WEIGHT_LAYOUTS
+from glyd_engine.vllm_plugin.settings import ENV_WEIGHT_LAYOUT, WEIGHT_LAYOUTS, weights_mode
 
 log = logging.getLogger("vllm.glyd")
 
@@ -71,16 +71,16 @@ def dense_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 def resident_linear(x: torch.Tensor, sm: torch.Tensor, offs: torch.Tensor, esc_pos: torch.Tensor,
                     esc_bits: torch.Tensor, plan_rowptr: torch.Tensor, plan_col: torch.Tensor,
                     plan_corr: torch.Tensor, base: int, rows: int, cols: int,
-                    bias: torch.Tensor | None) -> torch.Tensor:
+                    bias: torch.Tensor | None, fused: bool = True) -> torch.Tensor:
     """x @ W.T (+ bias). CPU: torch decode + vLLM's GEMM (the bf16 model's bits). CUDA: the fused Triton
-    kernel for up to FUSED_ROWS rows of x (faster than decode + GEMM there, docs/gpu.md), else the Triton
-    decode + vLLM's GEMM."""
+    kernel for up to FUSED_ROWS rows of x (faster than decode + GEMM there, docs/gpu.md), else (and always where
+    `fused` is off: the exact weights mode) the Triton decode + vLLM's GEMM."""
     r = resident.ResidentWeight((rows, cols), sm, offs, base, esc_pos, esc_bits)
     if x.is_cuda and cols % 2 == 0:
         from kernels import resident_linear as kernel
 
         flat = x.reshape(-1, cols)
-        if flat.shape[0] <= kernel.FUSED_ROWS and plan_rowptr.numel() == rows + 1:
+        if fused and flat.shape[0] <= kernel.FUSED_ROWS and plan_rowptr.numel() == rows + 1:
             plan = kernel.EscapePlan(plan_rowptr, plan_col, plan_corr)
             return kernel.resident_linear(flat, r, plan, bias).reshape(*x.shape[:-1], rows)
         return dense_gemm(x, kernel.resident_decode(r), bias)
@@ -90,7 +90,7 @@ def resident_linear(x: torch.Tensor, sm: torch.Tensor, offs: torch.Tensor, esc_p
 @resident_linear.register_fake
 def _(x: torch.Tensor, sm: torch.Tensor, offs: torch.Tensor, esc_pos: torch.Tensor, esc_bits: torch.Tensor,
       plan_rowptr: torch.Tensor, plan_col: torch.Tensor, plan_corr: torch.Tensor, base: int, rows: int, cols: int,
-      bias: torch.Tensor | None) -> torch.Tensor:
+      bias: torch.Tensor | None, fused: bool = True) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], rows))
 
 
@@ -116,16 +116,17 @@ def _(ids: torch.Tensor, sm: torch.Tensor, offs: torch.Tensor, esc_pos: torch.Te
 
 @torch.library.custom_op("glyd::fragment_linear", mutates_args=())
 def fragment_linear(x: torch.Tensor, data: torch.Tensor, rowptr: torch.Tensor, esc: torch.Tensor, colptr: torch.Tensor,
-                    lo: int, rows: int, cols: int, bias: torch.Tensor | None) -> torch.Tensor:
+                    lo: int, rows: int, cols: int, bias: torch.Tensor | None, fused: bool = True) -> torch.Tensor:
     """x @ W.T (+ bias), W in the fragment layout. CUDA: the CUDA matmul for up to `fused_rows` (64, on Hopper 128 for
-    large W) rows of x, else its decode + vLLM's GEMM. CPU: the layout's torch decode + vLLM's GEMM (the bf16 model's
-    bits; how the tests run it)."""
+    large W) rows of x, else (and always where `fused` is off: the exact weights mode) its decode + vLLM's GEMM, the
+    bf16 model's kernel on the same bf16 W. CPU: the layout's torch decode + vLLM's GEMM (the bf16 model's bits; how
+    the tests run it)."""
     f = fw.FragmentWeight((rows, cols), data, lo, rowptr, esc, colptr)
     if x.is_cuda:
         from kernels import matmul_cuda as kernel
 
         flat = x.reshape(-1, cols)
-        if flat.shape[0] <= kernel.fused_rows(rows, cols, flat.device.index or 0):
+        if fused and flat.shape[0] <= kernel.fused_rows(rows, cols, flat.device.index or 0):
             return kernel.matmul(flat, f, bias).reshape(*x.shape[:-1], rows)
         return dense_gemm(x, kernel.decode(f), bias)
     return dense_gemm(x, fw.decode(f), bias)
@@ -133,7 +134,7 @@ def fragment_linear(x: torch.Tensor, data: torch.Tensor, rowptr: torch.Tensor, e
 
 @fragment_linear.register_fake
 def _(x: torch.Tensor, data: torch.Tensor, rowptr: torch.Tensor, esc: torch.Tensor, colptr: torch.Tensor, lo: int,
-      rows: int, cols: int, bias: torch.Tensor | None) -> torch.Tensor:
+      rows: int, cols: int, bias: torch.Tensor | None, fused: bool = True) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], rows))
 
 
@@ -160,9 +161,9 @@ def _apply(src: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> 
     rows, cols = src.glyd_shape
     if src.glyd_layout == "fragment":
         return fragment_linear(x, src.glyd_frag_data, src.glyd_frag_rowptr, src.glyd_frag_esc, src.glyd_frag_colptr,
-                               src.glyd_lo, rows, cols, bias)
+                               src.glyd_lo, rows, cols, bias, src.glyd_fused)
     return resident_linear(x, src.glyd_sm, src.glyd_offs, src.glyd_esc_pos, src.glyd_esc_bits, src.glyd_plan_rowptr,
-                           src.glyd_plan_col, src.glyd_plan_corr, src.glyd_base, rows, cols, bias)
+                           src.glyd_plan_col, src.glyd_plan_corr, src.glyd_base, rows, cols, bias, src.glyd_fused)
 
 
 # -- loading -------------------------------------------------------------------------------------------
@@ -278,6 +279,7 @@ def _install(layer: torch.nn.Module, r: resident.ResidentWeight, device: torch.d
     r = r.to(device)
     layer.glyd_shape, layer.glyd_values = r.shape, r.numel
     layer.glyd_layout = weight_layout(device, r.shape)
+    layer.glyd_fused = weights_mode() == "lossless"  # exact: decode + the bf16 model's GEMM at every row count
     if layer.glyd_layout == "fragment":
         if device.type == "cuda":
             from kernels import matmul_cuda
