@@ -407,3 +407,15 @@ def test_gpu_builder_graph_support_and_step_reservations(monkeypatch: pytest.Mon
     assert md.split_len == 100 and all(kv.calls[-1] == 0 for kv in layers.values())
     md = builder(CUDAGraphMode.NONE).build(0, _step([1, 1], 100))  # no graphs at all
     assert md.split_len == 100 and all(kv.calls[-1] == 0 for kv in layers.values())
+
+
+def test_weights_mode_from_either_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GLYD_WEIGHTS or additional_config glyd.weights (which wins): lossless by default, exact on request, and a typo
+    refused naming where it came from and what it accepts."""
+    monkeypatch.delenv("GLYD_WEIGHTS", raising=False)
+    assert settings.weights_mode(_config()) == "lossless"
+    monkeypatch.setenv("GLYD_WEIGHTS", "exact")
+    assert settings.weights_mode(_config()) == "exact"
+    assert settings.weights_mode(_config(additional_config={"glyd": {"weights": "lossless"}})) == "lossless"
+    with pytest.raises(ValueError, match=r"glyd.weights='fast' is not a Glyd weights mode; use one of auto, lossless"):
+        settings.weights_mode(_config(additional_config={"glyd": {"weights": "fast"}}))
