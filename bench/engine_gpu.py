@@ -38,6 +38,10 @@ def plans(model: str, logprob_prompts: int, logprob_len: int, packed: str = "") 
             "speed": {"batch": 64, "prompt": 64, "max_tokens": 128}}
     base = {"model": model, "gpu": True, "one_schedule": True, "kv_bytes": 2 * GIB,
             "max_model_len": max(4096, logprob_len + 64), "work": work}
+    speed = {"model": model, "gpu": True, "one_schedule": True, "gpu_memory_utilization": 0.9,
+             "max_model_len": 8192 + 256, "max_num_seqs": 256,
+             "work": {"sweep": {"contexts": [1024, 8192], "batches": [1, 8, 32, 64, 128], "max_tokens": 64,
+                                "largest": [8192]}}}
     return {
         # does each mode start with vLLM's defaults and with --enforce-eager, and is what it stores exact
         "start": [
@@ -47,6 +51,13 @@ def plans(model: str, logprob_prompts: int, logprob_len: int, packed: str = "") 
             {**base, "name": "lossless-eager", "mode": "lossless", "eager": True},
             {**base, "name": "lossless-check", "mode": "lossless", "eager": True, "check": True,
              "work": {k: v for k, v in work.items() if k != "speed"}},
+        ],
+        # decode speed in the engine at 0.9 of the GPU's memory: lossless against off with vLLM's default backend
+        # (FlashAttention 3 on Hopper) and with TRITON_ATTN
+        "speed": [
+            {**speed, "name": "off", "mode": "off"},
+            {**speed, "name": "lossless", "mode": "lossless"},
+            {**speed, "name": "off-triton", "mode": "off", "attention_backend": "TRITON_ATTN"},
         ],
         # a Glyd checkpoint of the same model: lossless (the fused matmul) and exact weights against the bf16 model
         "weights": [
@@ -139,6 +150,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"greedy={row['greedy_equal']} prefix={row['prefix_greedy_equal']} "
                   f"tok/s={row['decode_tokens_per_s']} ({row['speed_vs_ref']}x) "
                   f"checked={row['values_checked']} differing={row['values_differing']}", flush=True)
+    for name, res in results.items():
+        for row in res.get("sweep", []):
+            print(f"{name:12s} ctx={row['context']:6d} batch={row['batch']:4d} "
+                  + (f"tok/s={row['decode_tokens_per_s']:9.1f} ttft={row['ttft_s']:.3f}s" if row["fits"]
+                     else "does not fit"), flush=True)
     for f in failures:
         print("FAILED", f)
     import torch

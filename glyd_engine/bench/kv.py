@@ -97,6 +97,38 @@ def prefix_prompts(tokenizer: Any, n: int, prefix_tokens: int, tail_tokens: int)
             for i in range(n)]
 
 
+def decode_sweep(llm: Any, tok: Any, sweep: dict[str, Any], kv_tokens: int) -> list[dict[str, Any]]:
+    """Decode tokens a second at each context x batch, prefill left out: the batch's distinct prompts are prefilled
+    once (which fills the prefix cache: the time of the first is the time to first token), prefilled again from the
+    cache with one new token (t1), then decoded `max_tokens` more from the cache (t2): the decode rate is
+    batch x max_tokens / (t2 - t1). A cell whose batch x (context + new tokens) exceeds the cache is "does not fit";
+    contexts named in `largest` also run the largest batch the cache holds."""
+    new = int(sweep.get("max_tokens", 64))
+    rows = []
+    for ctx in sweep["contexts"]:
+        for batch in sweep["batches"] + (["max"] if ctx in sweep.get("largest", []) else []):
+            b = max(1, kv_tokens // (ctx + new + 16)) if batch == "max" else int(batch)
+            row: dict[str, Any] = {"context": ctx, "batch": b, "largest": batch == "max"}
+            if b * (ctx + new + 16) > kv_tokens:
+                rows.append({**row, "fits": False})
+                continue
+            prompts = [corpus_ids(tok, ctx, skip=7919 * i + 13 * ctx) for i in range(b)]
+            t = time.monotonic()
+            _greedy(llm, prompts[:1], 1)
+            ttft = time.monotonic() - t
+            _greedy(llm, prompts, 1)  # the rest of the batch into the prefix cache
+            t = time.monotonic()
+            _greedy(llm, prompts, 1)
+            t1 = time.monotonic() - t
+            t = time.monotonic()
+            outs = _greedy(llm, prompts, 1 + new)
+            t2 = time.monotonic() - t
+            done = sum(len(o) for o in outs) - b
+            rows.append({**row, "fits": True, "ttft_s": round(ttft, 4), "t1_s": round(t1, 4), "t2_s": round(t2, 4),
+                         "decode_tokens_per_s": round(done / max(1e-9, t2 - t1), 1)})
+    return rows
+
+
 def _counters(llm: Any) -> dict[str, float]:
     """vLLM's preemption and prefix-cache counters (what the stress workload must have exercised)."""
     out: dict[str, float] = {}
@@ -165,6 +197,8 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
         res["decode_tokens_per_s_by_batch"] = by_batch
         res["decode_tokens_per_s"] = by_batch[str((s.get("batches") or [s["batch"]])[-1])]
         res["speed_batch"] = int((s.get("batches") or [s["batch"]])[-1])
+    if "sweep" in work:  # {"contexts": [1024, 8192], "batches": [1, 8], "max_tokens": 64}
+        res["sweep"] = decode_sweep(llm, tok, work["sweep"], int(res["kv_tokens"]))
     res["metrics"] = _counters(llm)
     from glyd_engine.vllm_plugin import kv_status
 
