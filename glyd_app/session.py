@@ -14,10 +14,11 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Protocol
 
 from glyd_app.engine_link import EngineEvent, EngineFactory, default_factory, make_client
-from glyd_app.store import Chat, Store, StoredMessage, title_from
+from glyd_app.store import Chat, SearchHit, Store, StoredMessage, title_from
 from glyd_engine.engine.protocol import (
     Delta,
     EngineSettings,
@@ -135,6 +136,27 @@ class ChatSession:
 
     def messages(self) -> list[StoredMessage]:
         return self.store.messages(self.chat.id) if self.chat is not None else []
+
+    def search(self, text: str) -> list[SearchHit]:
+        """Chats whose title or a message holds every word of `text` (the store's full-text index)."""
+        return self.store.search(text)
+
+    def rename_chat(self, chat_id: int, title: str) -> None:
+        self.store.rename_chat(chat_id, title)
+        if self.chat is not None and self.chat.id == chat_id:
+            self.reload_chat()
+
+    def delete_chat(self, chat_id: int) -> bool:
+        """Delete a chat and its messages; False (and nothing deleted) for the open chat while its reply
+        streams, whose next save would land nowhere."""
+        if self.busy and self.chat is not None and self.chat.id == chat_id:
+            return False
+        self.store.delete_chat(chat_id)
+        return True
+
+    def export_chat(self, chat_id: int, directory: Path) -> Path:
+        """The chat as a Markdown file in `directory` (written atomically, never over an earlier export)."""
+        return self.store.export_to(chat_id, directory)
 
     # ------------------------------------------------------------------ the engine's life
 
