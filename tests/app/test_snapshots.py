@@ -213,3 +213,31 @@ def test_chat_search(make, snap_compare, tmp_path: Path, monkeypatch: pytest.Mon
         await _steady(pilot)
 
     assert snap_compare(app, terminal_size=SIZE, run_before=before)
+
+
+def test_model_download_plan(make, snap_compare, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    from fake_hub import FakeHub, tiny_model
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+    monkeypatch.setattr("glyd_engine.models.fit.machine_memory", lambda: (11 << 30, "free RAM"))
+    hub = FakeHub({"HuggingFaceTB/SmolLM2-360M-Instruct": tiny_model()})
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    app = make()
+
+    async def before(pilot: Pilot) -> None:
+        await wait_for(pilot, lambda: app.session.engine_state == "ready")
+        await _no_toasts(pilot)
+        await _steady(pilot)
+        await pilot.press("f2")
+        await wait_for(pilot, lambda: app.screen.__class__.__name__ == "ModelPicker")
+        app.screen.query_one("#model-input").focus()
+        await type_text(pilot, "HuggingFaceTB/SmolLM2-360M-Instruct")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: getattr(app.screen, "plan", None) is not None)
+        await _steady(pilot)
+
+    try:
+        assert snap_compare(app, terminal_size=SIZE, run_before=before)
+    finally:
+        hub.close()
