@@ -21,8 +21,7 @@ from textual.widgets import Button, Label, ProgressBar, Static
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from glyd_engine.models.pull import PullPlan
-    from glyd_engine.progress import CancelToken, ProgressEvent
+    from glyd_engine.models.pull import CancelToken, ProgressEvent, PullPlan
 
 Planner = Callable[[str], "PullPlan"]
 
@@ -117,7 +116,7 @@ class PullScreen(ModalScreen[str | None]):
             self.action_close()
 
     def start_download(self) -> None:
-        from glyd_engine.progress import CancelToken
+        from glyd_engine.models.pull import CancelToken
 
         if self.plan is None or self.cancel is not None:
             return
@@ -130,8 +129,7 @@ class PullScreen(ModalScreen[str | None]):
     @work(thread=True, exclusive=True, exit_on_error=False, group="pull", name="pull-download",
           description="Downloading a model")
     def download(self, plan: PullPlan, cancel: CancelToken) -> None:
-        from glyd_engine.models.pull import pull
-        from glyd_engine.progress import Cancelled
+        from glyd_engine.models.pull import Cancelled, pull
 
         def progress(event: ProgressEvent) -> None:
             self.app.call_from_thread(self.show_progress, event)

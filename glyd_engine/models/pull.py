@@ -26,7 +26,11 @@ from glyd_engine.models.fit import Fit, MemoryProbe, estimate_fit, gib
 from glyd_engine.models.local import MARKER, build_lock
 from glyd_engine.models.ranged_download import HubFile, fetch_file
 from glyd_engine.models.support import check_config
-from glyd_engine.progress import CancelToken, PhaseTimer, ProgressCallback, no_progress
+from glyd_engine.progress import Cancelled, CancelToken, PhaseTimer, ProgressCallback, ProgressEvent, no_progress
+
+# Cancelled, CancelToken and ProgressEvent are re-exported: the app's download screen drives a pull with them
+__all__ = ["Cancelled", "CancelToken", "ModelTooLargeError", "ProgressEvent", "PullPlan", "hub_model_path",
+           "offline_error", "plan_pull", "pull"]
 
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.txt"]
 HUB_TIMEOUT_S = 10.0
