@@ -447,6 +447,8 @@ class GlydApp(App[None]):
                 self.action_export,
             ),
             ("Rename chat", "Give this chat a title", self.action_rename_chat),
+            ("Attach a file…", "A text file sent with the next message, counted against the context (F8)",
+             self.chat_screen.action_attach),
             ("Chat settings", "System prompt, temperature, top-p, max tokens, seed", self.action_chat_settings),
             ("Copy last reply", "Copy the last assistant message", self.copy_last_reply),
             ("Regenerate the last reply", "Ask again; the last reply is replaced (Ctrl+G)",

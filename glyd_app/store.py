@@ -104,6 +104,18 @@ MIGRATIONS: list[str] = [
     END;
     INSERT INTO chats_fts(chats_fts) VALUES ('rebuild');
     """,
+    # 4 -> 5: text files attached to a user message (their text goes to the model with the message)
+    """
+    CREATE TABLE attachments (
+        id INTEGER PRIMARY KEY,
+        message_id INTEGER NOT NULL REFERENCES messages(id) ON DELETE CASCADE,
+        name TEXT NOT NULL,
+        content TEXT NOT NULL,
+        tokens INTEGER NOT NULL,
+        created REAL NOT NULL
+    );
+    CREATE INDEX attachments_message ON attachments(message_id, id);
+    """,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -159,6 +171,16 @@ class StoredMessage:
     status: str = "done"  # done | stopped | interrupted | streaming
     stats: dict[str, Any] = field(default_factory=dict)
     model: str = ""
+
+
+@dataclass(frozen=True)
+class StoredAttachment:
+    id: int
+    message_id: int
+    name: str
+    content: str
+    tokens: int  # as counted when attached (glyd_app.attachments says how)
+    created: float = 0.0
 
 
 def db_path() -> Path:
@@ -297,6 +319,24 @@ class Store:
     def messages(self, chat_id: int) -> list[StoredMessage]:
         rows = self.db.execute("SELECT * FROM messages WHERE chat_id = ? ORDER BY id", (chat_id,)).fetchall()
         return [_message(r) for r in rows]
+
+    def add_attachment(self, message_id: int, name: str, content: str, tokens: int) -> StoredAttachment:
+        with self.db:
+            cur = self.db.execute(
+                "INSERT INTO attachments (message_id, name, content, tokens, created) VALUES (?, ?, ?, ?, ?)",
+                (message_id, name, content, tokens, time.time()),
+            )
+        return StoredAttachment(int(cur.lastrowid or 0), message_id, name, content, tokens)
+
+    def attachments(self, chat_id: int) -> dict[int, list[StoredAttachment]]:
+        """Each message's attachments (message id -> in the order attached), for one chat."""
+        rows = self.db.execute(
+            "SELECT a.* FROM attachments a JOIN messages m ON m.id = a.message_id WHERE m.chat_id = ? "
+            "ORDER BY a.message_id, a.id", (chat_id,)).fetchall()
+        found: dict[int, list[StoredAttachment]] = {}
+        for r in rows:
+            found.setdefault(r["message_id"], []).append(StoredAttachment(**dict(r)))
+        return found
 
     def delete_message(self, message_id: int) -> None:
         with self.db:
