@@ -247,7 +247,7 @@ class GlydApp(App[None]):
 
     def export_chat(self, chat_id: int) -> None:
         try:
-            target = self.store.export_to(chat_id, self.export_dir)
+            target = self.session.export_chat(chat_id, self.export_dir)
         except OSError as exc:
             self.notify(f"Export failed: {exc}", severity="error")
             return
@@ -334,7 +334,7 @@ class GlydApp(App[None]):
 
         self.push_screen(KVModeScreen(self.settings.kv, in_force), chosen)
 
-    def action_chats(self) -> None:
+    def action_chats(self, search: bool = False) -> None:
         from glyd_app.screens.chats import ChatList
 
         current = self.session.chat.id if self.session.chat else None
@@ -346,7 +346,7 @@ class GlydApp(App[None]):
                     return
                 await self.open_chat(chat_id)
 
-        self.push_screen(ChatList(self.store, current), chosen)
+        self.push_screen(ChatList(self.session, current, search), chosen)
 
     async def on_chats_changed(self, message: ChatsChanged) -> None:
         chat = self.session.chat
@@ -416,7 +416,7 @@ class GlydApp(App[None]):
 
         def done(title: str | None) -> None:
             if title:
-                self.store.rename_chat(chat.id, title)
+                self.session.rename_chat(chat.id, title)
                 self.chat_screen.retitle()
 
         self.push_screen(TextPrompt("Rename chat", chat.title), done)
@@ -439,12 +439,16 @@ class GlydApp(App[None]):
             ("Switch model", "Pick another model; the chat stays", self.action_models),
             ("New chat", "Start an empty conversation", self.action_new_chat),
             ("Open chat…", "List, open, rename, delete, export chats", self.action_chats),
+            ("Search chats…", "Full-text search over every chat's title and messages",
+             lambda: self.action_chats(search=True)),
             (
                 "Export chat to Markdown",
                 f"Write this chat as a .md file into {self.export_dir}",
                 self.action_export,
             ),
             ("Rename chat", "Give this chat a title", self.action_rename_chat),
+            ("Attach a file…", "A text file sent with the next message, counted against the context (F8)",
+             self.chat_screen.action_attach),
             ("Chat settings", "System prompt, temperature, top-p, max tokens, seed", self.action_chat_settings),
             ("Copy last reply", "Copy the last assistant message", self.copy_last_reply),
             ("Regenerate the last reply", "Ask again; the last reply is replaced (Ctrl+G)",

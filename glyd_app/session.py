@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Protocol
 
+from glyd_app.attachments import Attachment, TokenCounter, model_text
 from glyd_app.engine_link import EngineEvent, EngineFactory, default_factory, make_client
-from glyd_app.store import Chat, Store, StoredMessage, title_from
+from glyd_app.store import Chat, SearchHit, Store, StoredMessage, title_from
 from glyd_engine.engine.protocol import (
     Delta,
     EngineSettings,
@@ -136,6 +139,27 @@ class ChatSession:
     def messages(self) -> list[StoredMessage]:
         return self.store.messages(self.chat.id) if self.chat is not None else []
 
+    def search(self, text: str) -> list[SearchHit]:
+        """Chats whose title or a message holds every word of `text` (the store's full-text index)."""
+        return self.store.search(text)
+
+    def rename_chat(self, chat_id: int, title: str) -> None:
+        self.store.rename_chat(chat_id, title)
+        if self.chat is not None and self.chat.id == chat_id:
+            self.reload_chat()
+
+    def delete_chat(self, chat_id: int) -> bool:
+        """Delete a chat and its messages; False (and nothing deleted) for the open chat while its reply
+        streams, whose next save would land nowhere."""
+        if self.busy and self.chat is not None and self.chat.id == chat_id:
+            return False
+        self.store.delete_chat(chat_id)
+        return True
+
+    def export_chat(self, chat_id: int, directory: Path) -> Path:
+        """The chat as a Markdown file in `directory` (written atomically, never over an earlier export)."""
+        return self.store.export_to(chat_id, directory)
+
     # ------------------------------------------------------------------ the engine's life
 
     def begin_start(self, spec: str) -> int:
@@ -201,13 +225,26 @@ class ChatSession:
 
     # ------------------------------------------------------------------ sending and replies
 
-    def add_user_message(self, text: str) -> StoredMessage:
-        """Store what the user sent; a new chat takes its title from its first message."""
+    def add_user_message(self, text: str, attachments: Sequence[Attachment] = ()) -> StoredMessage:
+        """Store what the user sent, with the files attached to it; a new chat takes its title from its
+        first message."""
         assert self.chat is not None
         if not self.store.messages(self.chat.id) and self.chat.title == "New chat":
             self.store.rename_chat(self.chat.id, title_from(text))
             self.reload_chat()
-        return self.store.add_message(self.chat.id, "user", text)
+        stored = self.store.add_message(self.chat.id, "user", text)
+        for a in attachments:
+            self.store.add_attachment(stored.id, a.name, a.content, a.tokens)
+        return stored
+
+    def token_counter(self) -> TokenCounter:
+        """Token counts for the model that is loaded (its tokenizer), else a byte bound."""
+        return TokenCounter(self.ready_info.path if self.ready_info is not None else None)
+
+    @property
+    def context_length(self) -> int:
+        """The loaded engine's context, else the one it is being started with."""
+        return self.ready_info.max_model_len if self.ready_info is not None else self.settings.max_model_len
 
     async def request_reply(self) -> None:
         """Ask the engine for a reply if the last message is the user's and the engine is ready;
@@ -222,7 +259,9 @@ class ChatSession:
             return
         assert self.engine is not None
         chat = self.store.chat(self.chat.id)
-        history = [{"role": m.role, "content": m.content} for m in messages if m.content.strip()]
+        files = self.store.attachments(chat.id)
+        history = [{"role": m.role, "content": model_text(m.content, files.get(m.id, []))}
+                   for m in messages if m.content.strip() or m.id in files]
         params = GenerationParams(
             temperature=chat.temperature,
             top_p=chat.top_p,

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from glyd_engine import paths
+from glyd_engine.atomic import atomic_write_bytes
 
 MIGRATIONS: list[str] = [
     # 0 -> 1: chats and their messages
@@ -73,12 +74,77 @@ MIGRATIONS: list[str] = [
     DROP TABLE chats;
     ALTER TABLE chats_new RENAME TO chats;
     """,
+    # 3 -> 4: full-text search over chat titles and message text (FTS5, external content). Triggers keep the
+    # indexes in step with every write, whoever makes it; the rebuilds index what older versions stored.
+    """
+    CREATE VIRTUAL TABLE messages_fts USING fts5(
+        content, content='messages', content_rowid='id', tokenize='unicode61 remove_diacritics 2');
+    CREATE TRIGGER messages_fts_insert AFTER INSERT ON messages BEGIN
+        INSERT INTO messages_fts(rowid, content) VALUES (new.id, new.content);
+    END;
+    CREATE TRIGGER messages_fts_delete AFTER DELETE ON messages BEGIN
+        INSERT INTO messages_fts(messages_fts, rowid, content) VALUES ('delete', old.id, old.content);
+    END;
+    CREATE TRIGGER messages_fts_update AFTER UPDATE OF content ON messages BEGIN
+        INSERT INTO messages_fts(messages_fts, rowid, content) VALUES ('delete', old.id, old.content);
+        INSERT INTO messages_fts(rowid, content) VALUES (new.id, new.content);
+    END;
+    INSERT INTO messages_fts(messages_fts) VALUES ('rebuild');
+    CREATE VIRTUAL TABLE chats_fts USING fts5(
+        title, content='chats', content_rowid='id', tokenize='unicode61 remove_diacritics 2');
+    CREATE TRIGGER chats_fts_insert AFTER INSERT ON chats BEGIN
+        INSERT INTO chats_fts(rowid, title) VALUES (new.id, new.title);
+    END;
+    CREATE TRIGGER chats_fts_delete AFTER DELETE ON chats BEGIN
+        INSERT INTO chats_fts(chats_fts, rowid, title) VALUES ('delete', old.id, old.title);
+    END;
+    CREATE TRIGGER chats_fts_update AFTER UPDATE OF title ON chats BEGIN
+        INSERT INTO chats_fts(chats_fts, rowid, title) VALUES ('delete', old.id, old.title);
+        INSERT INTO chats_fts(rowid, title) VALUES (new.id, new.title);
+    END;
+    INSERT INTO chats_fts(chats_fts) VALUES ('rebuild');
+    """,
+    # 4 -> 5: text files attached to a user message (their text goes to the model with the message)
+    """
+    CREATE TABLE attachments (
+        id INTEGER PRIMARY KEY,
+        message_id INTEGER NOT NULL REFERENCES messages(id) ON DELETE CASCADE,
+        name TEXT NOT NULL,
+        content TEXT NOT NULL,
+        tokens INTEGER NOT NULL,
+        created REAL NOT NULL
+    );
+    CREATE INDEX attachments_message ON attachments(message_id, id);
+    """,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
 class StoreError(Exception):
     pass
+
+
+# Marks around the matched words in a search snippet (control characters: never in a user's text as typed)
+HIT_START, HIT_END = "\x02", "\x03"
+
+
+@dataclass(frozen=True)
+class SearchHit:
+    """A chat that matches a search: its best matching message (None where only the title matched)."""
+
+    chat_id: int
+    title: str
+    updated: float
+    message_id: int | None
+    snippet: str  # the matching text, words that matched between HIT_START and HIT_END
+    matches: int  # messages of this chat that match
+
+
+def fts_query(text: str) -> str:
+    """A user's words as an FTS5 query: every word must appear (as a prefix), quotes and operators taken
+    literally, so no input is a syntax error."""
+    words = re.findall(r"\w+", text, flags=re.UNICODE)
+    return " ".join('"' + w.replace('"', '""') + '"*' for w in words)
 
 
 @dataclass
@@ -105,6 +171,16 @@ class StoredMessage:
     status: str = "done"  # done | stopped | interrupted | streaming
     stats: dict[str, Any] = field(default_factory=dict)
     model: str = ""
+
+
+@dataclass(frozen=True)
+class StoredAttachment:
+    id: int
+    message_id: int
+    name: str
+    content: str
+    tokens: int  # as counted when attached (glyd_app.attachments says how)
+    created: float = 0.0
 
 
 def db_path() -> Path:
@@ -244,6 +320,24 @@ class Store:
         rows = self.db.execute("SELECT * FROM messages WHERE chat_id = ? ORDER BY id", (chat_id,)).fetchall()
         return [_message(r) for r in rows]
 
+    def add_attachment(self, message_id: int, name: str, content: str, tokens: int) -> StoredAttachment:
+        with self.db:
+            cur = self.db.execute(
+                "INSERT INTO attachments (message_id, name, content, tokens, created) VALUES (?, ?, ?, ?, ?)",
+                (message_id, name, content, tokens, time.time()),
+            )
+        return StoredAttachment(int(cur.lastrowid or 0), message_id, name, content, tokens)
+
+    def attachments(self, chat_id: int) -> dict[int, list[StoredAttachment]]:
+        """Each message's attachments (message id -> in the order attached), for one chat."""
+        rows = self.db.execute(
+            "SELECT a.* FROM attachments a JOIN messages m ON m.id = a.message_id WHERE m.chat_id = ? "
+            "ORDER BY a.message_id, a.id", (chat_id,)).fetchall()
+        found: dict[int, list[StoredAttachment]] = {}
+        for r in rows:
+            found.setdefault(r["message_id"], []).append(StoredAttachment(**dict(r)))
+        return found
+
     def delete_message(self, message_id: int) -> None:
         with self.db:
             self.db.execute("DELETE FROM messages WHERE id = ?", (message_id,))
@@ -302,8 +396,45 @@ class Store:
         while target.exists():
             target = directory / f"glyd-{slug}-{n}.md"
             n += 1
-        target.write_text(self.export_markdown(chat_id), encoding="utf-8")
+        atomic_write_bytes(target, self.export_markdown(chat_id).encode("utf-8"))
         return target
+
+    # ------------------------------------------------------------------ search
+
+    def search(self, text: str, limit: int = 50) -> list[SearchHit]:
+        """Chats whose title or messages contain every word of `text` (prefixes match, case and accents are
+        ignored), best match first; each with a snippet of its best matching message."""
+        query = fts_query(text)
+        if not query:
+            return []
+        rows = self.db.execute(
+            f"""
+            WITH hits AS (
+                SELECT m.chat_id, m.id AS message_id, bm25(messages_fts) AS rank,
+                       snippet(messages_fts, 0, '{HIT_START}', '{HIT_END}', '…', 12) AS snippet
+                FROM messages_fts JOIN messages m ON m.id = messages_fts.rowid
+                WHERE messages_fts MATCH ?
+            ), titled AS (
+                SELECT rowid AS chat_id, bm25(chats_fts) AS rank FROM chats_fts WHERE chats_fts MATCH ?
+            ), best AS (
+                SELECT chat_id, message_id, snippet, rank, COUNT(*) OVER (PARTITION BY chat_id) AS n,
+                       ROW_NUMBER() OVER (PARTITION BY chat_id ORDER BY rank, message_id) AS k
+                FROM hits
+            )
+            SELECT c.id, c.title, c.updated, b.message_id, COALESCE(b.snippet, '') AS snippet,
+                   COALESCE(b.n, 0) AS n,
+                   MIN(COALESCE(b.rank, 0), COALESCE(t.rank, 0)) + (CASE WHEN t.chat_id IS NULL THEN 0 ELSE -100 END)
+                       AS score
+            FROM chats c
+            LEFT JOIN best b ON b.chat_id = c.id AND b.k = 1
+            LEFT JOIN titled t ON t.chat_id = c.id
+            WHERE b.chat_id IS NOT NULL OR t.chat_id IS NOT NULL
+            ORDER BY score, c.updated DESC
+            LIMIT ?
+            """,
+            (query, query, limit),
+        ).fetchall()
+        return [SearchHit(r[0], r[1], r[2], r[3], r[4], r[5]) for r in rows]
 
     def __iter__(self) -> Iterator[Chat]:
         return iter(self.chats())

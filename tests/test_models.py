@@ -22,7 +22,7 @@ from glyd_engine.models import (
     resolve_local,
     resolve_model,
 )
-from glyd_engine.progress import Cancelled, CancelToken, ProgressEvent
+from glyd_engine.progress import Cancelled, CancelToken
 
 
 @pytest.fixture
@@ -218,36 +218,6 @@ def test_unreachable_hub_is_offline_not_a_hang(home: Path, monkeypatch: pytest.M
     monkeypatch.setattr("huggingface_hub.HfApi.model_info", unreachable)
     with pytest.raises(OfflineError, match="unreachable"):
         resolve_model("some-org/some-model")
-
-
-def test_hub_download_is_published_whole(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A fake hub: the download lands in a hidden dir and is renamed into place with a marker."""
-    from types import SimpleNamespace
-
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
-    files = [SimpleNamespace(rfilename=n, size=10) for n in ("config.json", "model.safetensors", "x.bin")]
-    monkeypatch.setattr("huggingface_hub.HfApi.model_info",
-                        lambda self, repo_id, **k: SimpleNamespace(sha="abc123", siblings=files))
-    seen: dict = {}
-
-    def fake_snapshot(repo_id: str, local_dir: Path, allow_patterns: list[str], **kwargs: object) -> str:
-        seen.update(local_dir=Path(local_dir), patterns=allow_patterns, **kwargs)
-        shutil.rmtree(local_dir, ignore_errors=True)
-        _fake_model(Path(local_dir))
-        return str(local_dir)
-
-    monkeypatch.setattr("huggingface_hub.snapshot_download", fake_snapshot)
-    events: list[ProgressEvent] = []
-    path = resolve_model("org/tiny", progress=events.append)
-    assert path == models.hub_model_path("org/tiny") and path.name == "org--tiny"
-    assert seen["local_dir"].name.startswith(".") and seen["revision"] == "abc123"
-    assert "*.safetensors" in seen["patterns"] and "*.jinja" in seen["patterns"]
-    assert json.loads((path / MARKER).read_text())["repo_id"] == "org/tiny"
-    assert [m.kind for m in list_local_models()] == ["downloaded"]
-    assert events and events[-1].job == "download"
-    monkeypatch.setattr("huggingface_hub.snapshot_download", lambda *a, **k: pytest.fail("again"))
-    assert resolve_model("org/tiny") == path  # second time: no network
 
 
 def test_resolve_local_never_downloads_or_builds(home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,6 +7,8 @@ the screen is up from the `Shown` message.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import VerticalScroll
@@ -14,6 +16,7 @@ from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import Footer, Header, Static
 
+from glyd_app.attachments import Attachment, AttachmentError, context_error, read_attachment
 from glyd_app.session import ChatSession, Severity
 from glyd_app.store import Chat, StoredMessage
 from glyd_app.widgets.chat_input import ChatInput
@@ -35,6 +38,8 @@ class ChatScreen(Screen[None]):
         Binding("ctrl+c", "stop", "Stop reply", id="glyd.interrupt", show=False, priority=True),
         Binding("ctrl+g", "regenerate", "Regenerate", id="glyd.regenerate", show=False),
         Binding("ctrl+t", "edit_last", "Edit last message", id="glyd.edit_last", show=False),
+        Binding("f8", "attach", "Attach file", id="glyd.attach", show=False),
+        Binding("shift+f8", "detach", "Remove the last attached file", id="glyd.detach", show=False),
     ]
 
     DEFAULT_CSS = """
@@ -43,6 +48,8 @@ class ChatScreen(Screen[None]):
     ChatScreen #banner.shown { display: block; }
     ChatScreen #empty { color: $text-muted; padding: 1 2; }
     ChatScreen ChatInput { margin: 0 1; }
+    ChatScreen #attached { display: none; color: $accent; padding: 0 2; }
+    ChatScreen #attached.shown { display: block; }
     """
 
     class Shown(Message):
@@ -53,11 +60,13 @@ class ChatScreen(Screen[None]):
         self.session = session
         session.view = self
         self.reply_view: MessageView | None = None
+        self.pending: list[Attachment] = []  # files attached to the message being typed
 
     def compose(self) -> ComposeResult:
         yield Header()
         yield Static("", id="banner", markup=False)
         yield VerticalScroll(id="messages")
+        yield Static("", id="attached", markup=False)
         yield ChatInput(id="input")
         yield StatsBar(id="stats")
         yield Footer()
@@ -74,7 +83,9 @@ class ChatScreen(Screen[None]):
         self.app.sub_title = chat.title
         box = self.query_one("#messages", VerticalScroll)
         await box.remove_children()
-        views = [self._view(m) for m in self.session.messages()]
+        files = self.session.store.attachments(chat.id)
+        views = [self._view(m, [f"📎 {a.name} · {a.tokens:,} tokens" for a in files.get(m.id, [])])
+                 for m in self.session.messages()]
         if not views:
             views_or_hint = [Static("Type a message and press Enter. F1 for help, Ctrl+P for commands.", id="empty")]
             await box.mount_all(views_or_hint)
@@ -82,7 +93,7 @@ class ChatScreen(Screen[None]):
             await box.mount_all(views)
         box.scroll_end(animate=False)
 
-    def _view(self, m: StoredMessage) -> MessageView:
+    def _view(self, m: StoredMessage, files: list[str] | None = None) -> MessageView:
         note = ""
         if m.status in FINISH_NOTES:
             note = FINISH_NOTES[m.status]
@@ -90,7 +101,7 @@ class ChatScreen(Screen[None]):
             note = FINISH_NOTES["error"]
         elif m.status == "streaming":
             note = "This reply was cut off when the app closed."
-        return MessageView(m.role, m.content, note, m.id)
+        return MessageView(m.role, m.content, note, m.id, files)
 
     def retitle(self) -> None:
         chat = self.session.reload_chat()
@@ -114,15 +125,65 @@ class ChatScreen(Screen[None]):
         if self.session.busy:
             self.notify("A reply is still streaming: Esc stops it.", severity="warning")
             return
-        stored = self.session.add_user_message(text)
+        files = list(self.pending)
+        if files:
+            counter = self.session.token_counter()
+            chat = self.session.store.chat(self.session.chat.id)
+            error = context_error(counter.count(text), files, chat.max_tokens, self.session.context_length,
+                                  counter.method)
+            if error:
+                self.notify(error, severity="error", timeout=12)
+                return
+        stored = self.session.add_user_message(text, files)
+        self.pending = []
+        self._show_pending()
         self.app.sub_title = self.session.chat.title  # a new chat is named after its first message
         box = self.query_one("#messages", VerticalScroll)
         for hint in box.query("#empty"):
             await hint.remove()
-        await box.mount(MessageView("user", text, message_id=stored.id))
+        await box.mount(MessageView("user", text, message_id=stored.id, files=[a.label() for a in files]))
         box.scroll_end(animate=False)
         self.query_one(ChatInput).clear()
         await self.session.request_reply()
+
+    def action_attach(self) -> None:
+        from glyd_app.screens.attach import AttachScreen
+
+        def chosen(path: Path | None) -> None:
+            if path is not None:
+                self.attach(path)
+
+        self.app.push_screen(AttachScreen(), chosen)
+
+    def attach(self, path: Path) -> bool:
+        """Attach a text file to the message being typed, if it can be read and fits the context."""
+        counter = self.session.token_counter()
+        try:
+            file = read_attachment(path, counter)
+        except (AttachmentError, OSError) as exc:
+            self.notify(f"Not attached: {exc}", severity="error", timeout=10)
+            return False
+        chat = self.session.store.chat(self.session.chat.id) if self.session.chat else None
+        reply = chat.max_tokens if chat is not None else 0
+        error = context_error(0, [*self.pending, file], reply, self.session.context_length, counter.method)
+        if error:
+            self.notify(f"Not attached: {error}", severity="error", timeout=12)
+            return False
+        self.pending.append(file)
+        self._show_pending()
+        self.query_one(ChatInput).focus()
+        return True
+
+    def action_detach(self) -> None:
+        if self.pending:
+            self.notify(f"Removed {self.pending.pop().name}")
+            self._show_pending()
+
+    def _show_pending(self) -> None:
+        bar = self.query_one("#attached", Static)
+        labels = "   ".join(a.label() for a in self.pending)
+        bar.update(f"{labels}   (Shift+F8 removes the last)" if labels else "")
+        bar.set_class(bool(self.pending), "shown")
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action == "stop":

@@ -1,8 +1,9 @@
 """The model picker: the demo model, models in Glyd's cache, directories the user added, or a typed id.
 
 Choosing returns the model spec ("demo", a directory, or a Hugging Face id); the app then shuts the
-running engine down and starts the new one, keeping the chat. The cache listing runs in a thread
-worker (it stats files), so the picker opens at once.
+running engine down and starts the new one, keeping the chat. A typed Hugging Face id not yet downloaded
+opens the download screen (screens/pull.py) first: size, architecture and memory fit, then the download.
+The cache listing runs in a thread worker (it stats files), so the picker opens at once.
 """
 
 from __future__ import annotations
@@ -36,6 +37,16 @@ class ModelEntry:
     label: str
     detail: str = ""
     removable: bool = False
+
+
+def needs_download(spec: str) -> bool:
+    """A Hugging Face id that is neither an existing directory nor downloaded yet."""
+    from glyd_engine.models import DEMO_MODEL_ID, hub_model_path
+    from glyd_engine.models.resolve import looks_like_hub_id
+
+    if spec == DEMO_MODEL_ID or Path(spec).expanduser().exists() or not looks_like_hub_id(spec):
+        return False
+    return not hub_model_path(spec).is_dir()
 
 
 def find_models(user_dirs: list[Path]) -> list[ModelEntry]:
@@ -90,7 +101,7 @@ class ModelPicker(ModalScreen[str | None]):
             yield Label("The running engine is shut down and the new model starts; the chat stays.", classes="hint")
             yield OptionList(Option("Looking for models…", disabled=True), id="model-list")
             yield Input(
-                placeholder="…or type a Hugging Face id (org/name) or a local directory, then Enter",
+                placeholder="…or a local directory, or a Hugging Face id (org/name) to download, then Enter",
                 id="model-input",
             )
             yield Label("Enter: use · Del: forget an added directory · Esc: close", classes="hint")
@@ -128,8 +139,18 @@ class ModelPicker(ModalScreen[str | None]):
     def on_input_submitted(self, event: Input.Submitted) -> None:
         event.stop()
         text = event.value.strip()
-        if text:
+        if not text:
+            return
+        if not needs_download(text):
             self.dismiss(text)
+            return
+        from glyd_app.screens.pull import PullScreen
+
+        def pulled(repo_id: str | None) -> None:
+            if repo_id:
+                self.dismiss(repo_id)
+
+        self.app.push_screen(PullScreen(text), pulled)
 
     def action_remove(self) -> None:
         options = self.query_one(OptionList)

@@ -85,7 +85,7 @@ class StartScreen(ModalScreen[str]):
     def show(self, progress: Progress) -> None:
         """Draw one (coalesced) progress event; a new job resets the bar and its ETA."""
         self.last = progress
-        if not self.is_mounted:
+        if not self.is_mounted or not self.query(ProgressBar):  # not composed yet: on_mount draws `last`
             return
         title, detail = describe(progress)
         bar = self.query_one(ProgressBar)

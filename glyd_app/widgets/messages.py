@@ -43,10 +43,13 @@ class MessageView(Vertical, can_focus=True):
     MessageView.assistant > .who { color: $success; }
     MessageView > Markdown { margin: 0; padding: 0; }
     MessageView .note { color: $warning; text-style: italic; }
+    MessageView > .file { color: $accent; }
     """
 
-    def __init__(self, role: str, content: str = "", note: str = "", message_id: int | None = None) -> None:
+    def __init__(self, role: str, content: str = "", note: str = "", message_id: int | None = None,
+                 files: list[str] | None = None) -> None:
         super().__init__(classes=role)
+        self.files = files or []  # labels of the files attached to it
         self.role = role
         self.content = content
         self.note = note
@@ -58,6 +61,8 @@ class MessageView(Vertical, can_focus=True):
             {"user": "You", "assistant": "Assistant", "system": "System"}.get(self.role, self.role),
             classes="who",
         )
+        for label in self.files:
+            yield Label(label, classes="file", markup=False)
         yield Markdown(self.content)
         yield Label(self.note, classes="note")
 

@@ -21,6 +21,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                                          "(so glyd-chat's first start needs no network)")
     fetch.add_argument("model", choices=["demo"])
     fetch.set_defaults(func=run_fetch)
+    from glyd_engine.commands import models_pull
+
+    models_pull.add_parser(sub)
     listing = sub.add_parser("list", help="list models in Glyd's models directory")
     listing.set_defaults(func=run_list)
     parser.set_defaults(func=run_list)

@@ -51,6 +51,11 @@ def _existing_dir_or_hub_id(id_or_dir: str) -> Path | str:
     return id_or_dir
 
 
+def looks_like_hub_id(text: str) -> bool:
+    """org/name (or name) as the hub spells ids, and not a path."""
+    return bool(_HUB_ID.fullmatch(text)) and not _looks_like_path(text)
+
+
 def _looks_like_path(text: str) -> bool:
     return (os.path.isabs(text) or text.startswith((".", "~")) or "\\" in text
             or text.count("/") > 1 or text.endswith("/"))

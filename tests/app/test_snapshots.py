@@ -184,3 +184,60 @@ def test_help(make, snap_compare) -> None:  # type: ignore[no-untyped-def]
         await _steady(pilot)
 
     assert snap_compare(app, terminal_size=SIZE, run_before=before)
+
+
+def test_chat_search(make, snap_compare, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("TZ", "UTC")
+    time.tzset()
+    store = Store(tmp_path / "chats.sqlite3")
+    for i, (title, text) in enumerate([("Paris and other capitals", "What is the capital of France?"),
+                                       ("Weekend plans", "Trains from Paris to Lyon on Saturday"),
+                                       ("Fix my Python loop", "for i in range(3) print(i)")]):
+        chat = store.new_chat(title=title)
+        store.add_message(chat.id, "user", text)
+        store.add_message(chat.id, "assistant", "I can help with that.")  # none waits for a reply
+        store.db.execute("UPDATE chats SET created = ?, updated = ? WHERE id = ?", (1.7e9 + i * 3600,) * 2 + (chat.id,))
+    store.db.commit()
+    store.set_state("last_chat", "1")
+    app = make(store=store)
+
+    async def before(pilot: Pilot) -> None:
+        await wait_for(pilot, lambda: app.session.engine_state == "ready")
+        await _no_toasts(pilot)
+        await _steady(pilot)
+        await pilot.press("f3")
+        await wait_for(pilot, lambda: app.screen.__class__.__name__ == "ChatList")
+        await pilot.press("slash")
+        await type_text(pilot, "paris")
+        await wait_for(pilot, lambda: len(app.screen.chats) == 2)  # type: ignore[attr-defined]
+        await _steady(pilot)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=before)
+
+
+def test_model_download_plan(make, snap_compare, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    from fake_hub import FakeHub, tiny_model
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+    monkeypatch.setattr("glyd_engine.models.fit.machine_memory", lambda: (11 << 30, "free RAM"))
+    hub = FakeHub({"HuggingFaceTB/SmolLM2-360M-Instruct": tiny_model()})
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    app = make()
+
+    async def before(pilot: Pilot) -> None:
+        await wait_for(pilot, lambda: app.session.engine_state == "ready")
+        await _no_toasts(pilot)
+        await _steady(pilot)
+        await pilot.press("f2")
+        await wait_for(pilot, lambda: app.screen.__class__.__name__ == "ModelPicker")
+        app.screen.query_one("#model-input").focus()
+        await type_text(pilot, "HuggingFaceTB/SmolLM2-360M-Instruct")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: getattr(app.screen, "plan", None) is not None)
+        await _steady(pilot)
+
+    try:
+        assert snap_compare(app, terminal_size=SIZE, run_before=before)
+    finally:
+        hub.close()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from glyd_app.store import MIGRATIONS, SCHEMA_VERSION, Store, StoreError, title_from
+from glyd_app.store import HIT_END, HIT_START, MIGRATIONS, SCHEMA_VERSION, Store, StoreError, title_from
 
 
 def test_fresh_database_is_at_the_latest_schema(tmp_path: Path) -> None:
@@ -103,3 +103,51 @@ def test_export_markdown_never_overwrites(tmp_path: Path) -> None:
 def test_title_from_first_line() -> None:
     assert title_from("\n  Hello   world \nmore") == "Hello world"
     assert len(title_from("x" * 100)) == 48
+
+
+def test_version_3_database_gets_a_search_index_of_what_it_already_holds(tmp_path: Path) -> None:
+    path = tmp_path / "v3.sqlite3"
+    db = sqlite3.connect(path)
+    db.executescript(";".join(MIGRATIONS[:3]) + "; PRAGMA user_version = 3;")
+    db.execute("INSERT INTO chats (title, created, updated) VALUES ('Trip planning', 1, 1)")
+    db.execute("INSERT INTO messages (chat_id, role, content, created) VALUES (1, 'user', 'Trains to Zürich?', 1)")
+    db.commit()
+    db.close()
+    store = Store(path)
+    assert store.version == SCHEMA_VERSION
+    [hit] = store.search("zurich")  # accents folded, case ignored
+    assert (hit.chat_id, hit.title, hit.matches) == (1, "Trip planning", 1)
+    assert hit.snippet == f"Trains to {HIT_START}Zürich{HIT_END}?"
+    assert [h.title for h in store.search("plan")] == ["Trip planning"]  # a title, by prefix
+
+
+def test_search_follows_every_write(tmp_path: Path) -> None:
+    """The index is kept by triggers: a streamed reply's updates, deletes and renames are found at once."""
+    store = Store(tmp_path / "c.sqlite3")
+    a = store.new_chat(title="Geography")
+    store.add_message(a.id, "user", "What is the capital of France?")
+    reply = store.add_message(a.id, "assistant", "", status="streaming")
+    b = store.new_chat(title="Code")
+    store.add_message(b.id, "user", 'my loop: for i in range(3) print(i) "AND" NEAR(x)')
+    assert store.search("paris") == []
+    store.update_message(reply.id, content="The capital of France is Paris.")
+    [hit] = store.search("paris")
+    assert (hit.chat_id, hit.message_id) == (a.id, reply.id)
+    assert [(h.chat_id, h.matches) for h in store.search("capital fra")] == [(a.id, 2)]
+    assert [h.chat_id for h in store.search('"AND" NEAR( *')] == [b.id]  # operators are words, not syntax
+    assert store.search("   ") == [] and store.search("*()") == []
+    store.rename_chat(b.id, "Python loops")
+    assert [h.chat_id for h in store.search("pyth")] == [b.id]
+    assert store.search("code") == []
+    store.delete_message(reply.id)
+    assert store.search("paris") == []
+    store.delete_chat(a.id)
+    assert store.search("capital") == [] and store.search("geography") == []
+
+
+def test_export_is_written_atomically(tmp_path: Path) -> None:
+    store = Store(tmp_path / "c.sqlite3")
+    chat = store.new_chat(title="x")
+    out = tmp_path / "out"
+    target = store.export_to(chat.id, out)
+    assert target.read_text().startswith("# x") and sorted(p.name for p in out.iterdir()) == [target.name]
