@@ -7,7 +7,8 @@ prompt logprobs bit for bit (positions differing, the largest difference), greed
 Writes each child's raw result and the comparison as JSON under --out, prints a table, and exits non-zero when a
 check fails (a differing value, logprob or token where the plan demands equality) or an engine fails to start.
 
-Run (device, vLLM staged):  PYTHONUNBUFFERED=1 python3 bench/engine_gpu.py --model DIR --plan start --out $OUT
+Run (device, vLLM staged; bench/device_setup.sh):
+    python3 bench/engine_gpu.py --model DIR --plan demo --packed DIR --out $OUT
 """
 
 from __future__ import annotations
@@ -42,15 +43,19 @@ def plans(model: str, logprob_prompts: int, logprob_len: int, packed: str = "") 
              "max_model_len": 8192 + 256, "max_num_seqs": 256,
              "work": {"sweep": {"contexts": [1024, 8192], "batches": [1, 8, 32, 64, 128], "max_tokens": 64,
                                 "largest": [8192]}}}
+    weights_work = {**work, "speed": {**work["speed"], "batches": [1, 64]}}
     return {
-        # does each mode start with vLLM's defaults and with --enforce-eager, and is what it stores exact
-        "start": [
-            {**base, "name": "off", "mode": "off"},
-            {**base, "name": "lossless", "mode": "lossless"},
-            {**base, "name": "exact", "mode": "exact"},
-            {**base, "name": "lossless-eager", "mode": "lossless", "eager": True},
+        # each KV mode with vLLM's defaults (the check engine runs eager), and a Glyd checkpoint of the same model in
+        # both weights modes, against off: capacity, prompt logprobs and greedy tokens bit for bit, values read back
+        "demo": [
+            {**base, "name": "off", "mode": "off", "work": weights_work},
+            {**base, "name": "lossless", "mode": "lossless", "work": weights_work, "expect": ["logprobs"]},
+            {**base, "name": "exact", "mode": "exact", "expect": ["logprobs", "greedy"]},
+            {**base, "name": "weights-exact", "mode": "off", "model": packed, "weights": "exact", "work": weights_work,
+             "expect": ["logprobs", "greedy"]},
+            {**base, "name": "weights-lossless", "mode": "off", "model": packed, "work": weights_work},
             {**base, "name": "lossless-check", "mode": "lossless", "eager": True, "check": True,
-             "work": {k: v for k, v in work.items() if k != "speed"}},
+             "work": {k: v for k, v in work.items() if k != "speed"}, "expect": ["values"]},
         ],
         # decode speed in the engine at 0.9 of the GPU's memory: lossless against off with vLLM's default backend
         # (FlashAttention 3 on Hopper) and with TRITON_ATTN
@@ -58,14 +63,6 @@ def plans(model: str, logprob_prompts: int, logprob_len: int, packed: str = "") 
             {**speed, "name": "off", "mode": "off"},
             {**speed, "name": "lossless", "mode": "lossless"},
             {**speed, "name": "off-triton", "mode": "off", "attention_backend": "TRITON_ATTN"},
-        ],
-        # a Glyd checkpoint of the same model: lossless (the fused matmul) and exact weights against the bf16 model
-        "weights": [
-            {**base, "name": "bf16", "mode": "off", "work": {**work, "speed": {**work["speed"], "batches": [1, 64]}}},
-            {**base, "name": "glyd-lossless", "mode": "off", "model": packed,
-             "work": {**work, "speed": {**work["speed"], "batches": [1, 64]}}},
-            {**base, "name": "glyd-exact", "mode": "off", "model": packed, "weights": "exact",
-             "work": {**work, "speed": {**work["speed"], "batches": [1, 64]}}},
         ],
     }
 
@@ -106,11 +103,30 @@ def compare(ref: dict[str, Any], got: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def verdict(spec: dict[str, Any], row: dict[str, Any] | None) -> list[str]:
+    """What an engine's row breaks of what its spec expects to equal the reference (`expect`): prompt logprobs bit
+    for bit, greedy tokens (plain and with prefix-cache hits), every value read back."""
+    if row is None:
+        return []
+    bad = []
+    lp = row["prompt_logprobs"]
+    if "logprobs" in spec.get("expect", []) and (not lp["positions"] or lp["differing"]):
+        bad.append(f"{spec['name']}: {lp['differing']} of {lp['positions']} prompt logprobs differ from the reference")
+    if "greedy" in spec.get("expect", []):
+        for key in ("greedy_equal", "prefix_greedy_equal"):
+            same, total = row[key].split("/")
+            if same != total or total == "0":
+                bad.append(f"{spec['name']}: {key} {row[key]}")
+    if "values" in spec.get("expect", []) and (not row["values_checked"] or row["values_differing"]):
+        bad.append(f"{spec['name']}: {row['values_differing']} of {row['values_checked']} values read back differ")
+    return bad
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True)
-    ap.add_argument("--plan", default="start")
-    ap.add_argument("--packed", default="", help="the model's Glyd checkpoint (plan weights)")
+    ap.add_argument("--plan", default="demo")
+    ap.add_argument("--packed", default="", help="the model's Glyd checkpoint (plan demo)")
     ap.add_argument("--only", default="", help="comma-separated engine names of the plan to run")
     ap.add_argument("--out", type=Path, default=Path("."))
     ap.add_argument("--budget-s", type=float, default=480, help="start no engine past this many seconds")
@@ -155,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:12s} ctx={row['context']:6d} batch={row['batch']:4d} "
                   + (f"tok/s={row['decode_tokens_per_s']:9.1f} ttft={row['ttft_s']:.3f}s" if row["fits"]
                      else "does not fit"), flush=True)
+    for spec in specs:
+        failures += verdict(spec, table.get(spec["name"]))
     for f in failures:
         print("FAILED", f)
     import torch
