@@ -127,3 +127,31 @@ def test_rare_tokens_do_not_depend_on_the_random_state(tmp_path: Path) -> None:
         lists.append([t["id"] for t in find_rare_tokens(tmp_path, 8, Tok())])
     assert lists[0] == lists[1] == lists[2]
     assert lists[0][:4] == [40, 41, 42, 43]  # ties in id order
+
+
+def _engine_gpu() -> Any:
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "engine_gpu.py"
+    spec = importlib.util.spec_from_file_location("engine_gpu", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_engine_gpu_verdicts_count_every_differing_bit() -> None:
+    """The GPU engine bench compares logprobs by their bits (-0.0 is not 0.0) and fails a mode that promised
+    equality for any differing logprob, token or value, or for comparing nothing."""
+    eg = _engine_gpu()
+    d = eg._diff([[0.0, -1.5, -2.25]], [[-0.0, -1.5, -2.0]])
+    assert d == {"positions": 3, "differing": 2, "max_abs_diff": 0.25}
+    ref = {"kv_tokens": 100, "prompt_logprobs": [[-1.0, -2.0]], "greedy": [[1, 2], [3]], "prefix_greedy": [[4]]}
+    same = eg.compare(ref, {**ref, "kv_tokens": 133, "stats": {"values_checked": 9, "values_differing": 0}})
+    assert same["capacity_vs_ref"] == 1.33 and same["greedy_equal"] == "2/2"
+    promise = {"name": "m", "expect": ["logprobs", "greedy", "values"]}
+    assert eg.verdict(promise, same) == []
+    off_by_one = eg.compare(ref, {**ref, "greedy": [[1, 2], [4]], "stats": {"values_checked": 9,
+                                                                              "values_differing": 1}})
+    assert eg.verdict(promise, off_by_one) == ["m: greedy_equal 1/2", "m: 1 of 9 values read back differ"]
+    nothing = eg.compare(ref, {"kv_tokens": 1})
+    assert len(eg.verdict(promise, nothing)) == 4  # no logprobs, no tokens, no values compared: all fail
