@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from glyd_engine.kv_mode import MODES
+from glyd_engine.kv_mode import SETTING as KV
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,7 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--kv",
-        choices=MODES,
+        type=KV.arg_type(),
+        metavar=KV.metavar,
         default=None,
         help="KV cache mode (default: auto; 'off' uses vLLM's own bf16 cache)",
     )

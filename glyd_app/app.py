@@ -38,6 +38,7 @@ from glyd_engine.engine.protocol import (
     Stopped,
 )
 from glyd_engine.errors import CANCELLED, CRASH, OFFLINE, OfflineError
+from glyd_engine.kv_mode import running_name
 
 if TYPE_CHECKING:
     from glyd_app.screens.chats import ChatsChanged, ExportChat
@@ -202,7 +203,7 @@ class GlydApp(App[None]):
 
         from glyd_app.screens.dialogs import EngineFailed
 
-        self.push_screen(EngineFailed(error.kind, error.message, error.log_path), chosen)
+        self.push_screen(EngineFailed(error.kind, error.message, error.log_path, error.fix), chosen)
 
     async def on_engine_event(self, message: EngineEvent) -> None:
         if message.generation != self.session.generation:
@@ -316,8 +317,7 @@ class GlydApp(App[None]):
         ready = self.session.ready_info
         in_force = ""
         if ready is not None:
-            mode = "vLLM's own cache" if ready.kv_mode == "off" else f"Glyd {ready.kv_mode}"
-            in_force = f"Now: {mode}" + (f" ({ready.kv_reason})" if ready.kv_reason else "")
+            in_force = f"Now: {running_name(ready.kv_mode)}" + (f" ({ready.kv_reason})" if ready.kv_reason else "")
 
         def chosen(mode: str | None) -> None:
             if mode is None:

@@ -11,7 +11,8 @@ from typing import Any
 
 from glyd_engine import paths
 from glyd_engine.engine.engine_args import kv_cache_bytes
-from glyd_engine.engine.protocol import EngineSettings
+from glyd_engine.engine.protocol import EngineSettings, parse_setting
+from glyd_engine.errors import SettingError
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
@@ -43,18 +44,37 @@ def load_keymap() -> tuple[dict[str, str], str | None]:
     return {str(k): str(v) for k, v in section.items() if isinstance(v, str)}, None
 
 
+ENGINE_KEYS = ("kv", "max_model_len", "kv_cache_mib", "gpu_memory_utilization", "enforce_eager", "dtype",
+               "max_num_batched_tokens")  # what config.toml's [engine] takes (kv_cache_mib: the budget in MiB)
+
+
+def _engine_value(key: str, value: Any, source: str) -> dict[str, Any]:
+    """One [engine] entry as EngineSettings fields, parsed (a SettingError naming `source` when it is bad)."""
+    if key not in ENGINE_KEYS:
+        raise SettingError(f"{source} {key} is not an engine setting", f"use {', '.join(ENGINE_KEYS)}")
+    if key == "kv_cache_mib":
+        return {"kv_cache_bytes": kv_cache_bytes(parse_setting("kv_cache_bytes", value, source, key))}
+    return {key: parse_setting(key, value, source)}
+
+
 def load_engine_settings(**overrides: Any) -> tuple[EngineSettings, str | None]:
-    """Engine settings from `[engine]` in config.toml, then command-line overrides (not None). Both give
-    the KV budget as `kv_cache_mib`, turned into bytes here (0: vLLM sizes the cache)."""
-    error = None
+    """Engine settings from `[engine]` in config.toml, then command-line overrides (not None, parsed by argparse).
+    Both give the KV budget as `kv_cache_mib`, turned into bytes here (0: vLLM sizes the cache). Each file value is
+    parsed here, where it enters: a bad one is reported (naming the file, the key and what it takes) and left out."""
+    errors: list[str] = []
     try:
         data = dict(_read_toml(config_path()).get("engine", {}))
     except (OSError, ValueError) as exc:
-        data, error = {}, f"{config_path()}: {exc}"
-    data.update({k: v for k, v in overrides.items() if v is not None})
-    if "kv_cache_mib" in data:
-        data["kv_cache_bytes"] = kv_cache_bytes(data.pop("kv_cache_mib"))
-    return EngineSettings.from_dict(data), error
+        data = {}
+        errors.append(f"{config_path()}: {exc}")
+    values: dict[str, Any] = {}
+    for key, value in [*data.items(), *((k, v) for k, v in overrides.items() if v is not None)]:
+        source = f"{config_path()} [engine]" if key in data and overrides.get(key) is None else "glyd-chat"
+        try:
+            values.update(_engine_value(key, value, source))
+        except SettingError as exc:
+            errors.append(str(exc))
+    return EngineSettings(**values), "; ".join(errors) or None
 
 
 def save_engine_setting(key: str, value: str) -> None:

@@ -38,3 +38,21 @@ class OfflineError(GlydError):
     """Something must be downloaded and the hub cannot be reached."""
 
     kind: ClassVar[str] = OFFLINE
+
+
+class RefusedError(GlydError, ValueError):
+    """Glyd will not run what was asked (a setting, an engine, a model it cannot hold), and says what to do instead.
+
+    A ValueError too, so vLLM, which expects one from a config check, treats it as a bad configuration. `reason`
+    and `fix` travel to the app apart (`protocol.Error`), so it shows a refusal as one, not as a crash."""
+
+    def __init__(self, reason: str, fix: str = "") -> None:
+        super().__init__(f"{reason}; {fix}" if fix else reason)
+        self.reason, self.fix = reason, fix
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:  # pickles whole (vLLM's processes, pytest-xdist)
+        return type(self), (self.reason, self.fix)
+
+
+class SettingError(RefusedError):
+    """A Glyd setting's value is not one it takes: `reason` names where it came from, `fix` the values it takes."""

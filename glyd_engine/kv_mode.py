@@ -1,4 +1,4 @@
-"""The Glyd KV-cache mode: its values, how a written value is read, and which of its two settings wins.
+"""The Glyd KV-cache mode: its values, their names on screen, and its setting (`SETTING`, parsed by options.py).
 
 Stdlib only: glyd-chat and `glyd serve` parse `--kv` with it before torch or vLLM load, and the vLLM plugin
 reads the mode with it in every vLLM process, so the list of modes and the precedence exist once.
@@ -11,48 +11,37 @@ engine and hashes it into its compile-cache key, which an environment variable i
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping
 from typing import Any, Literal, cast, get_args
+
+from glyd_engine.options import SECTION, Choice
 
 KVMode = Literal["auto", "lossless", "exact", "off"]
 MODES: tuple[KVMode, ...] = get_args(KVMode)
 # The modes that hold the cache in Glyd's pages or refuse: auto may keep vLLM's own cache, off always does.
 PAGE_MODES: tuple[KVMode, ...] = ("lossless", "exact")
 DEFAULT: KVMode = "auto"
+# What runs, as the app names it (stats bar, KV mode screen): `Ready.kv_mode` is one of these keys.
+RUNNING: dict[str, str] = {"lossless": "Glyd lossless", "exact": "Glyd exact", "off": "vLLM's own cache"}
 
 ENV = "GLYD_KV"  # per process
-SECTION = "glyd"  # additional_config's key for Glyd's settings (per engine)
 KEY = "kv"
 WHAT = "Glyd KV mode"
+SETTING = Choice(KEY, ENV, MODES, WHAT, DEFAULT)
 
 
-def parse_choice(value: object, source: str, choices: tuple[str, ...], what: str) -> str:
-    """`value` as one of `choices` (case and surrounding spaces ignored); a bad value names where it came
-    from and every choice, so the user can fix it without the docs."""
-    text = str(value).strip().lower()
-    if text not in choices:
-        raise ValueError(f"{source}={text!r} is not a {what}; use one of {', '.join(choices)}")
-    return text
+def parse(value: object, source: str | None = ENV) -> KVMode:
+    """A KV mode written at `source` (a SettingError naming it and every mode when it is not one)."""
+    return cast(KVMode, SETTING.parse(value, source))
 
 
-def parse(value: object, source: str = ENV) -> KVMode:
-    return cast(KVMode, parse_choice(value, source, MODES, WHAT))
-
-
-def choose(section: Mapping[str, Any], key: str, env: str, choices: tuple[str, ...], what: str,
-           environ: Mapping[str, str] | None = None) -> str:
-    """One Glyd setting by the precedence above: `section[key]` (the engine's additional_config["glyd"])
-    wins over the environment variable `env`; neither set: auto. Every plugin setting shares it."""
-    value, source = section.get(key), f"additional_config {SECTION}.{key}"
-    if value is None:
-        value, source = (os.environ if environ is None else environ).get(env) or DEFAULT, env
-    return parse_choice(value, source, choices, what)
-
-
-def asked(section: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None) -> KVMode:
+def asked(section: dict[str, Any] | None = None, environ: dict[str, str] | None = None) -> KVMode:
     """The KV mode asked for an engine (`section`: its additional_config["glyd"]; None: only GLYD_KV)."""
-    return cast(KVMode, choose(section or {}, KEY, ENV, MODES, WHAT, environ))
+    return cast(KVMode, SETTING.read(section, environ))
+
+
+def running_name(mode: str) -> str:
+    """What runs, in the app's words ("Glyd lossless", "vLLM's own cache")."""
+    return RUNNING.get(mode, mode)
 
 
 def additional_config(mode: str, **more: Any) -> dict[str, Any]:

@@ -85,18 +85,21 @@ class EngineFailed(ModalScreen[str]):
         + """
     EngineFailed > Vertical { border: thick $error; }
     EngineFailed #why { margin-bottom: 1; width: 100%; }
+    EngineFailed #fix { margin-bottom: 1; width: 100%; }
     EngineFailed #log { color: $text-muted; width: 100%; }
     """
     )
 
-    def __init__(self, kind: str, message: str, log_path: str | None) -> None:
+    def __init__(self, kind: str, message: str, log_path: str | None, fix: str = "") -> None:
         super().__init__()
-        self.kind, self.message, self.log_path = kind, message, log_path
+        self.kind, self.message, self.log_path, self.fix = kind, message, log_path, fix
 
     def compose(self) -> ComposeResult:
         with Vertical():
             yield Label(KIND_TITLES.get(self.kind, "The engine failed"), classes="title")
             yield Static(self.message, id="why", markup=False)
+            if self.fix:  # a refusal says what to do instead
+                yield Static(f"What to do: {self.fix}", id="fix", markup=False)
             if self.log_path:
                 yield Static(f"Details: {self.log_path}", id="log", markup=False)
             with Horizontal():

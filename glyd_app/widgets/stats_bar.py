@@ -12,7 +12,7 @@ from textual.reactive import reactive
 from textual.widgets import Static
 
 from glyd_engine.engine.protocol import Ready, Stats
-from glyd_engine.kv_mode import PAGE_MODES
+from glyd_engine.kv_mode import PAGE_MODES, running_name
 
 GIB = 1 << 30
 
@@ -95,9 +95,8 @@ def short_reason(reason: str) -> str:
 
 
 def mode_line(ready: Ready) -> Text:
-    mode = {"lossless": "Glyd lossless", "exact": "Glyd exact", "off": "vLLM's own"}.get(ready.kv_mode, ready.kv_mode)
     text = Text("KV mode ", style="dim")
-    text.append(mode, style="bold green" if ready.kv_mode in PAGE_MODES else "bold")
+    text.append(running_name(ready.kv_mode), style="bold green" if ready.kv_mode in PAGE_MODES else "bold")
     if ready.kv_reason:
         text.append(f": {short_reason(ready.kv_reason)}", style="dim")
     text.append(f" · {ready.engine}", style="dim")

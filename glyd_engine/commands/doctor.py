@@ -194,9 +194,13 @@ def kv_tables_line(r: dict[str, Any]) -> str:
     """Whether a start builds KV tables: only where the KV mode holds Glyd's pages (auto keeps vLLM's own cache
     where Glyd's pages are not measured as fast, today every platform: no tables then)."""
     from glyd_engine import kv_mode
+    from glyd_engine.errors import SettingError
     from glyd_engine.vllm_plugin.settings import AUTO_FAST_PLATFORMS
 
-    mode = os.environ.get(kv_mode.ENV, kv_mode.DEFAULT).strip().lower() or kv_mode.DEFAULT
+    try:
+        mode = kv_mode.asked()
+    except SettingError as exc:
+        return f"every start refuses {exc}"
     platform = "cuda" if r["engine"].get("cuda") else "cpu"
     held = f"{len(r['kv_tables'])} model(s) have KV tables already" if r["kv_tables"] else "no KV tables built yet"
     if mode == "off" or (mode == "auto" and platform not in AUTO_FAST_PLATFORMS):

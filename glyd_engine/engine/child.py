@@ -34,7 +34,16 @@ from glyd_engine.engine.protocol import (
     decode_request,
     encode,
 )
-from glyd_engine.errors import CANCELLED, CRASH, OOM, REFUSED, UNSUPPORTED, GlydError, UnsupportedModelError
+from glyd_engine.errors import (
+    CANCELLED,
+    CRASH,
+    OOM,
+    REFUSED,
+    UNSUPPORTED,
+    GlydError,
+    RefusedError,
+    UnsupportedModelError,
+)
 from glyd_engine.progress import Cancelled, CancelToken, ProgressEvent
 
 log = logging.getLogger("glyd.engine")
@@ -64,12 +73,54 @@ FOREIGN_UNSUPPORTED = ("not supported", "unsupported", "architectures", "does no
                        "not a valid model")
 
 
+def wrapped(exc: BaseException) -> list[BaseException]:
+    """The exceptions an exception stands for: itself, what it was raised from, and (vLLM's config is a pydantic
+    dataclass, whose ValidationError keeps a check's own exception as data, not as a cause) its errors' causes."""
+    out: list[BaseException] = []
+    todo: list[BaseException] = [exc]
+    while todo and len(out) < 20:
+        cur = todo.pop(0)
+        if cur in out:
+            continue
+        out.append(cur)
+        todo += _validation_causes(cur) + [c for c in (cur.__cause__, cur.__context__) if c is not None]
+    return out
+
+
+def _validation_causes(exc: BaseException) -> list[BaseException]:
+    """The exceptions a pydantic ValidationError holds in its errors' ctx (duck-typed: no pydantic import)."""
+    errors = getattr(exc, "errors", None)
+    if not callable(errors) or type(exc).__name__ != "ValidationError":
+        return []
+    try:
+        found = [(e.get("ctx") or {}).get("error") for e in errors()]
+    except Exception:  # noqa: BLE001 - a foreign object that only looks like pydantic's
+        return []
+    return [e for e in found if isinstance(e, BaseException)]
+
+
+def refusal(exc: BaseException) -> RefusedError | None:
+    """The Glyd refusal behind a failure (however vLLM wrapped it), or None."""
+    return next((e for e in wrapped(exc) if isinstance(e, RefusedError)), None)
+
+
+def failure(exc: BaseException, fatal: bool, **more: Any) -> Error:
+    """The event for a failure: a refusal keeps its kind, reason and fix across the process boundary."""
+    r = refusal(exc)
+    if r is not None and not isinstance(exc, Cancelled):
+        return Error(r.reason, r.kind, fatal=fatal, fix=r.fix, **more)  # type: ignore[arg-type]
+    return Error(user_message(exc), classify(exc), fatal=fatal, **more)  # type: ignore[arg-type]
+
+
 def classify(exc: BaseException) -> str:
     """The error kind the app shows: oom, unsupported, refused, offline, cancelled or crash."""
     if isinstance(exc, Cancelled):
         return CANCELLED
     if isinstance(exc, GlydError):
         return exc.kind
+    found = refusal(exc)
+    if found is not None:
+        return found.kind
     if isinstance(exc, MemoryError):
         return OOM
     text = f"{type(exc).__name__}: {exc}".lower()
@@ -142,7 +193,8 @@ def ensure_kv_tables(model_dir: Path, settings: EngineSettings, emit: Any, cance
         raise
     except (GlydError, ValueError, NotImplementedError) as exc:
         if settings.kv != "auto":
-            raise GlydError(f"refused: KV mode {settings.kv!r} needs KV tables, and they failed: {exc}") from exc
+            raise RefusedError(f"KV mode {settings.kv} needs KV tables, and building them failed: {exc}",
+                               "pick KV mode auto or off (F5), or another model") from exc
         log.warning("KV tables failed; falling back to vLLM's own cache: %s", exc)
 
 
@@ -200,7 +252,7 @@ class Child:
                         self.backend.step()
                     except Exception as exc:  # noqa: BLE001 - reported, then the child leaves
                         log.error("engine step failed\n%s", traceback.format_exc())
-                        self.emit(Error(user_message(exc), classify(exc), fatal=True))
+                        self.emit(failure(exc, fatal=True))
                         self._exit(1)
                     continue
             else:
@@ -218,7 +270,7 @@ class Child:
                 self.start(req)
             except BaseException as exc:  # noqa: BLE001 - every failure becomes an event
                 log.error("start failed\n%s", traceback.format_exc())
-                self.emit(Error(user_message(exc), classify(exc), fatal=True, log_path=_log_path()))
+                self.emit(failure(exc, fatal=True, log_path=_log_path()))
                 return False
             return True
         if isinstance(req, Generate):
@@ -230,7 +282,7 @@ class Child:
                 self.backend.submit(req)
             except Exception as exc:  # noqa: BLE001
                 log.error("generate failed\n%s", traceback.format_exc())
-                self.emit(Error(user_message(exc), classify(exc), fatal=False, id=req.id))
+                self.emit(failure(exc, fatal=False, id=req.id))
                 self.emit(Finished(req.id, "error"))
             return True
         if isinstance(req, StopGeneration):

@@ -3,7 +3,8 @@
 Used by the runner's fast tests and by the app's tests of crash and restart handling, so those
 exercise the real process, pipes and protocol without paying for a vLLM start. Chosen with the
 environment variable `GLYD_ENGINE_BACKEND=echo`. The model name scripts failures:
-`fail:<kind>` fails the start with that kind; a user message containing "CRASH" kills the child
+`fail:<kind>` fails the start with that kind (`fail:refused` as vLLM hands on a refusal of the plugin's config
+check: inside pydantic's ValidationError); a user message containing "CRASH" kills the child
 mid-reply; "SLOW" streams slowly (to test stopping).
 """
 
@@ -26,9 +27,31 @@ from glyd_engine.engine.protocol import (
     Ready,
     Stats,
 )
-from glyd_engine.errors import GlydError, OfflineError, UnsupportedModelError
+from glyd_engine.errors import GlydError, OfflineError, RefusedError, UnsupportedModelError
 
 log = logging.getLogger("glyd.engine")
+
+
+def as_vllm_config_check_raises(exc: Exception) -> Exception:
+    """`exc` as vLLM hands on an error of the plugin's config check: its config is a pydantic dataclass whose
+    __post_init__ runs the check, so the error arrives inside a ValidationError (as data, not as a cause)."""
+    try:
+        from pydantic.dataclasses import dataclass
+    except ImportError:  # an engine Python without pydantic has no vLLM either: the chain stands in for it
+        wrapper = RuntimeError("Engine core initialization failed")
+        wrapper.__cause__ = exc
+        return wrapper
+
+    @dataclass
+    class VllmConfig:
+        def __post_init__(self) -> None:
+            raise exc
+
+    try:
+        VllmConfig()
+    except Exception as wrapped:  # noqa: BLE001 - pydantic's ValidationError, which is what we want
+        return wrapped
+    return exc
 
 
 class EchoBackend:
@@ -50,6 +73,10 @@ class EchoBackend:
                 raise UnsupportedModelError("model architecture EchoForCausalLM is not supported")
             if kind == "oom":
                 raise MemoryError("not enough memory for the KV cache")
+            if kind == "refused":
+                raise as_vllm_config_check_raises(RefusedError(
+                    "Glyd KV cache (kv=lossless) cannot run this engine: the model has sliding-window attention "
+                    "layers", "change that, or run with GLYD_KV=off to use vLLM's own cache"))
             raise GlydError(f"refused: {kind}")
         for i in range(3):
             self.emit(Progress("engine", "Loading the echo engine", i + 1, 3, (2 - i) * 0.05))

@@ -11,7 +11,8 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar
 
-from glyd_engine.errors import ErrorKind
+from glyd_engine import kv_mode
+from glyd_engine.errors import ErrorKind, SettingError
 from glyd_engine.kv_mode import KVMode
 from glyd_engine.progress import ProgressEvent
 
@@ -33,9 +34,57 @@ class EngineSettings:
     max_num_batched_tokens: int | None = None
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> EngineSettings:
+    def from_dict(cls, data: dict[str, Any], source: str = "engine settings") -> EngineSettings:
+        """Settings from plain data (a request, config.toml's [engine]), each value parsed: a bad one is a
+        SettingError naming `source`, the key and what it takes. Unknown keys are left out (a newer front end)."""
         names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
+        return cls(**{k: parse_setting(k, v, source) for k, v in data.items() if k in names})
+
+
+# What each engine setting takes: (parser, what the error says it takes). None stays None where the default is.
+def _whole(low: int) -> Any:
+    def parse(v: Any) -> int:
+        if isinstance(v, bool) or int(v) != float(v) or int(v) < low:
+            raise ValueError
+        return int(v)
+    return parse
+
+
+def _fraction(v: Any) -> float:
+    if isinstance(v, bool) or not 0 < float(v) <= 1:
+        raise ValueError
+    return float(v)
+
+
+def _switch(v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise ValueError
+    return v
+
+
+_PARSERS: dict[str, tuple[Any, str]] = {
+    "max_model_len": (_whole(1), "a whole number of tokens, at least 1"),
+    "kv_cache_bytes": (_whole(0), "a whole number of bytes (0: vLLM sizes the cache)"),
+    "gpu_memory_utilization": (_fraction, "a fraction above 0, at most 1"),
+    "enforce_eager": (_switch, "true or false"),
+    "dtype": (str, "a dtype name (bfloat16)"),
+    "max_num_batched_tokens": (_whole(1), "a whole number of tokens, at least 1"),
+}
+
+
+def parse_setting(key: str, value: Any, source: str, written: str = "") -> Any:
+    """One engine setting's value, typed; `source` names where it came from in the error, `written` the key as the
+    user wrote it (config.toml's kv_cache_mib for kv_cache_bytes: the number's unit is the caller's)."""
+    if key == "kv":
+        return kv_mode.parse(value, f"{source} {written or key}")
+    parser, takes = _PARSERS[key]
+    if value is None:
+        return None
+    try:
+        return parser(value)
+    except (TypeError, ValueError):
+        takes = takes.replace("bytes", "MiB") if written.endswith("_mib") else takes
+        raise SettingError(f"{source} {written or key}={value!r} is not valid", f"give {takes}") from None
 
 
 @dataclass
@@ -186,7 +235,8 @@ class Finished(Event):
 
 @dataclass
 class Error(Event):
-    """Something failed; `fatal` means the child is gone (or going) and must be started again."""
+    """Something failed; `fatal` means the child is gone (or going) and must be started again. A refusal
+    (errors.RefusedError) sends its reason as `message` and what to do instead as `fix`."""
 
     event: ClassVar[str] = "error"
     message: str = ""
@@ -194,6 +244,7 @@ class Error(Event):
     fatal: bool = True
     id: str | None = None
     log_path: str | None = None
+    fix: str = ""
 
 
 @dataclass

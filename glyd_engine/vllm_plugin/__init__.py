@@ -71,7 +71,7 @@ def register() -> None:
     from glyd_engine import kv_mode
     from glyd_engine.vllm_plugin import settings
 
-    asked = kv_mode.asked()  # raises ValueError for a misspelt GLYD_KV: better now than silently off
+    asked = kv_mode.asked()  # a SettingError (a ValueError) for a misspelt GLYD_KV: better now than silently off
     from glyd_engine.vllm_plugin import (
         hooks,
         weights,  # noqa: F401  (registers the "glyd" quantization config)
@@ -86,8 +86,8 @@ def register() -> None:
         if platform_cls is not None and hasattr(platform_cls, "check_and_update_config"):
             hooks.install_config_check(platform_cls)
         elif asked in kv_mode.PAGE_MODES:  # no later place sees the config: refuse now, on GLYD_KV alone
-            raise UnsupportedVLLMError(f"Glyd KV cache ({kv_mode.ENV}={asked}) cannot run: {settings.missing_hooks()}. "
-                                       f"Install a supported vLLM, or {settings.OFF_HINT}.")
+            raise UnsupportedVLLMError(f"Glyd KV cache ({kv_mode.ENV}={asked}) cannot run: {settings.missing_hooks()}",
+                                       f"install a supported vLLM, or {settings.OFF_HINT}")
         log.warning("Glyd KV cache stays off, and lossless/exact are refused: %s", settings.missing_hooks())
         _registered = True
         return

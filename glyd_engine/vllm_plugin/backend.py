@@ -35,6 +35,14 @@ class GlydAttentionBackend(GlydBackendBase, CPUAttentionBackend):
     def get_supported_head_sizes(cls) -> list[int]:
         return [h for h in CPUAttentionBackend.get_supported_head_sizes() if head_size_supported(h)]
 
+    @classmethod
+    def supports_alibi(cls) -> bool:
+        return True  # vLLM's own CPU kernel runs on the decoded pages
+
+    @classmethod
+    def supports_logits_soft_cap(cls) -> bool:
+        return True
+
     @staticmethod
     def get_impl_cls() -> type[GlydAttentionImpl]:
         return GlydAttentionImpl

@@ -27,9 +27,10 @@ from vllm.v1.attention.backend import (
     CommonAttentionMetadata,
 )
 
-from glyd_engine.format.kv_page import HEAD_SIZES
+from glyd_engine.errors import RefusedError
 from glyd_engine.vllm_plugin import settings, state
 from glyd_engine.vllm_plugin.backend_base import GlydBackendBase
+from glyd_engine.vllm_plugin.capabilities import impl_refusal
 
 
 @dataclass
@@ -89,8 +90,8 @@ class GlydGPUMetadataBuilder(AttentionMetadataBuilder[GlydGPUMetadata]):
         self._exact = settings.decide(vllm_config).mode == "exact"
         self._fa = faithful_builder(kv_cache_spec, layer_names, vllm_config, device)
         if self._exact and self._fa is None:
-            raise ValueError("Glyd KV cache (kv=exact) runs vLLM's FlashAttention over decoded pages, which this vLLM "
-                             "build or GPU lacks; use lossless (every stored value is still exact)")
+            raise RefusedError("Glyd KV cache (kv=exact) runs vLLM's FlashAttention over decoded pages, which this "
+                               "vLLM build or GPU lacks", "use lossless (every stored value is still exact)")
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> GlydGPUMetadata:
@@ -184,13 +185,11 @@ def faithful_builder(kv_cache_spec: Any, layer_names: list[str], vllm_config: An
 
 
 class GlydGPUAttentionBackend(GlydBackendBase, AttentionBackend):
+    query_heads_per_kv_head: ClassVar[range | None] = range(1, 9)  # a decode tile's query rows
+
     @staticmethod
     def get_name() -> str:
         return "GLYD_GPU"
-
-    @classmethod
-    def get_supported_head_sizes(cls) -> list[int]:
-        return list(HEAD_SIZES)
 
     @staticmethod
     def get_impl_cls() -> type[GlydGPUAttentionImpl]:
@@ -210,15 +209,10 @@ class GlydGPUAttentionImpl(AttentionImpl):
                  kv_cache_dtype: str = "auto", logits_soft_cap: float | None = None,
                  attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name: str | None = None,
                  **kwargs: Any) -> None:
-        unsupported = [name for name, v in (("alibi", alibi_slopes), ("sliding window", sliding_window),
-                                            ("logits soft cap", logits_soft_cap), ("sinks", kwargs.get("sinks")))
-                       if v]
-        if unsupported or attn_type != AttentionType.DECODER:
-            what = ", ".join(unsupported) or attn_type
-            raise ValueError(f"Glyd KV cache: the GPU attention does not support {what}; {settings.OFF_HINT}")
-        if not 1 <= num_heads // (num_kv_heads or num_heads) <= 8:
-            raise ValueError(f"Glyd KV cache: the GPU attention takes 1-8 query heads a KV head, this model has "
-                             f"{num_heads // (num_kv_heads or num_heads)}; {settings.OFF_HINT}")
+        why = impl_refusal(GlydGPUAttentionBackend, num_heads, num_kv_heads, attn_type, alibi_slopes=alibi_slopes,
+                           sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=kwargs.get("sinks"))
+        if why is not None:
+            raise RefusedError(f"Glyd KV cache: the GPU attention does not support {why}", settings.OFF_HINT)
         self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
         self.num_kv_heads = num_kv_heads or num_heads
         self.kv_cache_dtype = kv_cache_dtype

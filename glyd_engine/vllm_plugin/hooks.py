@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from glyd_engine.format.kv_page import HEAD_SIZES, head_size_supported
+from glyd_engine.errors import RefusedError
 from glyd_engine.vllm_plugin import settings
 
 BACKEND_PATH = "glyd_engine.vllm_plugin.backend.GlydAttentionBackend"  # torch path (CPU build)
@@ -27,29 +27,12 @@ def backend_path(decision: settings.Decision) -> str:
     return BACKEND_PATH if decision.kernels == "torch" else GPU_BACKEND_PATH
 
 
-def layer_refusal(sel: Any) -> str | None:
-    """Why one attention layer (vLLM's AttentionSelectorConfig) cannot use GLYD; None if it can."""
-    import torch
+def layer_refusal(sel: Any, backend: type | None = None) -> str | None:
+    """Why one attention layer (vLLM's AttentionSelectorConfig) cannot use GLYD's `backend` (None: the CPU
+    build's); None if it can. Derived from what the backend declares (capabilities.py)."""
+    from glyd_engine.vllm_plugin import capabilities
 
-    if getattr(sel, "use_mla", False) or getattr(sel, "use_sparse", False):
-        return "MLA/sparse attention layers"
-    if getattr(sel, "has_sink", False):
-        return "attention sinks"
-    if getattr(sel, "has_sliding_window", False) or getattr(sel, "use_rswa", False):
-        return "sliding-window attention layers"
-    if getattr(sel, "use_non_causal", False) or getattr(sel, "use_mm_prefix", False):
-        return "non-causal attention"
-    if getattr(sel, "use_kv_connector", False):
-        return "a KV connector"
-    if getattr(sel, "use_pcp", False) or getattr(sel, "use_dcp", False):
-        return "context parallelism"
-    if sel.dtype != torch.bfloat16:
-        return f"{sel.dtype} activations (the page code holds bf16)"
-    if sel.kv_cache_dtype not in (None, "auto", "bfloat16"):
-        return f"kv_cache_dtype {sel.kv_cache_dtype}"
-    if not head_size_supported(sel.head_size):
-        return f"head size {sel.head_size} (the page code holds {' and '.join(map(str, HEAD_SIZES))})"
-    return None
+    return capabilities.layer_refusal(backend or capabilities.backend_for("torch"), sel)
 
 
 def _wrap_selector(platform_cls: type) -> None:
@@ -69,11 +52,13 @@ def _wrap_selector(platform_cls: type) -> None:
         decision = settings.decide(cfg)
         settings.log_decision(decision)
         if decision.active:
-            why = layer_refusal(attn_selector_config)
+            from glyd_engine.vllm_plugin.capabilities import backend_for
+
+            why = layer_refusal(attn_selector_config, backend_for(decision.kernels))
             if why is None:
                 return backend_path(decision)
-            raise ValueError(f"Glyd KV cache (kv={decision.asked}) cannot hold this model: "
-                             f"it has {why}. {settings.OFF_HINT[0].upper()}{settings.OFF_HINT[1:]}.")
+            raise RefusedError(f"Glyd KV cache (kv={decision.asked}) cannot hold this model: it has {why}",
+                               settings.OFF_HINT)
         return original(selected_backend, attn_selector_config, num_heads)
 
     setattr(get_attn_backend_cls, _MARK, True)

@@ -5,53 +5,65 @@ Every vLLM process (API server, engine core, workers) resolves the same decision
 hooks `register()` found missing), so nothing has to be passed between them. Within a process the decision
 is made once for the engine's config and cached (`decide`): the config check, the backend selector, the
 attention layers and the app's status all read that one decision. `lossless`/`exact` refuse what the page
-code cannot hold, with a message that says why and what to do; `auto` keeps vLLM's own cache and logs why.
+code cannot hold, with a RefusedError that says why and what to do; `auto` keeps vLLM's own cache and logs why.
+Every Glyd setting of the engine is parsed at one edge (`options`, from options.py's declarations); what the
+backends can hold is declared on them and the refusals derived from it (capabilities.py).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, cast
 
 from glyd_engine import kv_mode
+from glyd_engine import options as opt
+from glyd_engine.errors import RefusedError, SettingError
 from glyd_engine.kv_mode import PAGE_MODES, KVMode
 
 # Under "vllm" so the lines go where vLLM's own log goes (its logger has the handler).
 log = logging.getLogger("vllm.glyd")
 
-ENV_CHECK = "GLYD_KV_CHECK"  # debug: keep a bf16 shadow of every page and compare each value read
-ENV_KERNELS = "GLYD_KV_KERNELS"
-# What runs the pages: torch (the CPU build: pages decoded, then vLLM's own CPU kernel), cuda (the GPU backend:
-# the CUDA kernels in kernels/cuda read compressed pages), or reference (the GPU backend's wiring on the torch
-# reference of those kernels: how the tests run it on the CPU build). auto: by platform.
-KERNELS = ("auto", "torch", "cuda", "reference")
-ENV_CODE = "GLYD_KV_CODE"
-# The page code's width: 3 bits (the most tokens: ~11.3 bits a value) or 4 (~12.1 bits, about a tenth of the
-# escapes, which decode attention pays for). auto: 3 on the CPU build; GPU_CODE_BITS where the CUDA kernels run,
-# the faster of the two on the H200 (docs/gpu.md).
-CODES = ("auto", "3", "4")
-GPU_CODE_BITS = 4
+ENV_CHECK, ENV_KERNELS, ENV_CODE = opt.CHECK.env, opt.KERNELS.env, opt.CODE.env
+ENV_WEIGHTS, ENV_WEIGHT_LAYOUT = opt.WEIGHTS.env, opt.WEIGHT_LAYOUT.env
+GPU_CODE_BITS = 4  # the page code's width where the CUDA kernels run: the faster of the two on the H200 (docs/gpu.md)
 SUPPORTED_VLLM = ">=0.32,<0.34"
-ENV_WEIGHT_LAYOUT = "GLYD_WEIGHT_LAYOUT"
-# How `--quantization glyd` holds a weight in memory: resident (row-major; torch decode on the CPU, the Triton
-# kernels on CUDA) or fragment (the CUDA matmul's layout, docs/format.md section 4.1; on the CPU its torch
-# reference, which is how the tests run it in the real engine). auto: fragment on CUDA where the weight's shape
-# allows it and the CUDA matmul builds, resident elsewhere.
-WEIGHT_LAYOUTS = ("auto", "resident", "fragment")
-ENV_WEIGHTS = "GLYD_WEIGHTS"
-# What a Glyd checkpoint's matmuls compute: lossless (auto; the weights decoded inside the CUDA matmul for small
-# batches: every weight exact, the products summed in the kernel's order, so outputs may differ from the bf16
-# model's in the last bits) or exact (each weight decoded to bf16 and multiplied by the bf16 model's own GEMM: its
-# outputs bit for bit, slower). On the CPU build both decode and run vLLM's GEMM: exact either way.
-WEIGHT_MODES = ("auto", "lossless", "exact")
 
 # Platforms where the lossless cache is measured at least as fast as vLLM's own (docs/vllm.md, "auto").
 # The CPU path decodes pages in plain torch and is slower than vLLM's C++ kernel: not listed.
 AUTO_FAST_PLATFORMS: frozenset[str] = frozenset()
 
 OFF_HINT = "run with GLYD_KV=off (or --additional-config '{\"glyd\": {\"kv\": \"off\"}}') to use vLLM's own cache"
+
+
+@dataclass(frozen=True)
+class Options:
+    """Every Glyd setting of one engine, parsed (options.py declares them): what the rest of the plugin reads."""
+
+    kv: KVMode = "auto"
+    kernels: Literal["auto", "torch", "cuda", "reference"] = "auto"
+    code: Literal["auto", "3", "4"] = "auto"
+    check: bool = False
+    weights: Literal["auto", "lossless", "exact"] = "auto"
+    weight_layout: Literal["auto", "resident", "fragment"] = "auto"
+
+
+SETTINGS: tuple[opt.Choice, ...] = (kv_mode.SETTING, *opt.PLUGIN)
+
+
+def options(vllm_config: Any = None, environ: dict[str, str] | None = None) -> Options:
+    """The engine's Glyd settings from its additional_config["glyd"] (which wins) and the environment, parsed at
+    this one edge: a bad value, an unknown key or a section that is not a table is a SettingError naming it."""
+    section = glyd_section(vllm_config)
+    known = {s.key for s in SETTINGS}
+    for key in section:
+        if key not in known:
+            raise SettingError(f"additional_config {opt.SECTION}.{key} is not a Glyd setting",
+                               f"use {', '.join(sorted(known))}")
+    v = {s.key: s.read(section, environ) for s in SETTINGS}
+    return Options(kv=cast(KVMode, v["kv"]), kernels=cast(Any, v["kernels"]), code=cast(Any, v["code"]),
+                   check=opt.is_on(v["check"]), weights=cast(Any, v["weights"]),
+                   weight_layout=cast(Any, v["weight_layout"]))
 
 
 @dataclass(frozen=True)
@@ -68,19 +80,18 @@ class Decision:
 
 def glyd_section(vllm_config: Any) -> dict[str, Any]:
     extra = getattr(vllm_config, "additional_config", None)
-    if isinstance(extra, dict) and isinstance(extra.get(kv_mode.SECTION), dict):
-        return extra[kv_mode.SECTION]
-    return {}
-
-
-def _choice(vllm_config: Any, key: str, env: str, choices: tuple[str, ...], what: str) -> str:
-    """A plugin setting by the KV mode's precedence (kv_mode.choose): the engine's own setting wins."""
-    return kv_mode.choose(glyd_section(vllm_config), key, env, choices, what)
+    if not isinstance(extra, dict) or extra.get(opt.SECTION) is None:
+        return {}
+    section = extra[opt.SECTION]
+    if not isinstance(section, dict):
+        raise SettingError(f"additional_config {opt.SECTION}={section!r} is not a table of Glyd settings",
+                           f'give it as {{"{opt.SECTION}": {{"kv": "lossless"}}}}')
+    return section
 
 
 def asked_mode(vllm_config: Any = None) -> KVMode:
     """The KV mode asked for an engine (None: before any engine config, from GLYD_KV alone)."""
-    return kv_mode.asked(glyd_section(vllm_config))
+    return options(vllm_config).kv
 
 
 def weights_mode(vllm_config: Any = None) -> str:
@@ -89,19 +100,16 @@ def weights_mode(vllm_config: Any = None) -> str:
         from vllm.config import get_current_vllm_config_or_none
 
         vllm_config = get_current_vllm_config_or_none()
-    asked = _choice(vllm_config, "weights", ENV_WEIGHTS, WEIGHT_MODES, "Glyd weights mode")
+    asked = options(vllm_config).weights
     return "lossless" if asked == "auto" else asked
 
 
 def check_enabled(vllm_config: Any = None) -> bool:
-    value = glyd_section(vllm_config).get("check") if vllm_config is not None else None
-    if value is None:
-        value = os.environ.get(ENV_CHECK, "")
-    return str(value).strip().lower() in ("1", "true", "yes", "on")
+    return options(vllm_config).check
 
 
 def asked_kernels(vllm_config: Any = None) -> str:
-    return _choice(vllm_config, "kernels", ENV_KERNELS, KERNELS, "Glyd kernel choice")
+    return options(vllm_config).kernels
 
 
 def kernels(vllm_config: Any = None) -> str:
@@ -114,7 +122,7 @@ def kernels(vllm_config: Any = None) -> str:
 
 def code_bits(vllm_config: Any = None) -> int:
     """3 or 4: the page code's width for this engine (every process decides the same from the same inputs)."""
-    asked = _choice(vllm_config, "code", ENV_CODE, CODES, "Glyd KV code width")
+    asked = options(vllm_config).code
     if asked != "auto":
         return int(asked)
     return 3 if kernels(vllm_config) == "torch" else GPU_CODE_BITS
@@ -136,57 +144,14 @@ def _platform_refusal(vllm_config: Any, mode: str) -> str | None:
 
 
 def unsupported(vllm_config: Any, mode: str = "lossless") -> list[str]:
-    """Why the lossless cache cannot hold this engine's KV (empty: it can). Each item says what to change."""
-    why: list[str] = []
+    """Why the lossless cache cannot hold this engine's KV (empty: it can). Each item says what to change: the
+    platform's rule, then what the backend that would run declares it does not support (capabilities.py)."""
+    from glyd_engine.vllm_plugin import capabilities
+
     refusal = _platform_refusal(vllm_config, mode)
-    if refusal:
-        why.append(refusal)
-    par = getattr(vllm_config, "parallel_config", None)
-    if par is not None:
-        for attr, name in (("tensor_parallel_size", "tensor"), ("pipeline_parallel_size", "pipeline"),
-                           ("prefill_context_parallel_size", "prefill context"),
-                           ("decode_context_parallel_size", "decode context")):
-            if int(getattr(par, attr, 1) or 1) > 1:
-                why.append(f"{name} parallel size {getattr(par, attr)} > 1 (run on one device)")
-        if getattr(par, "enable_dbo", False) or int(getattr(par, "ubatch_size", 1) or 1) > 1:
-            # the GPU page writer's overflow room is reserved once a step, for one batch
-            why.append("micro-batching is on (drop --enable-dbo / --ubatch-size)")
-    if getattr(vllm_config, "speculative_config", None) is not None:
-        why.append("speculative decoding is on (drop --speculative-config)")
-    if getattr(vllm_config, "kv_transfer_config", None) is not None:
-        why.append("a KV transfer/connector is configured (connectors copy raw pages and cannot see overflow)")
-    cache = getattr(vllm_config, "cache_config", None)
-    if cache is not None:
-        if str(getattr(cache, "cache_dtype", "auto")) not in ("auto", "bfloat16"):
-            why.append(f"kv_cache_dtype is {cache.cache_dtype} (the page code holds bf16 values; use auto)")
-        if getattr(cache, "kv_offloading_size", None):
-            why.append("KV offloading is on (offload copies raw pages and cannot see overflow)")
-    model = getattr(vllm_config, "model_config", None)
-    if model is not None:
-        import torch
-
-        if getattr(model, "dtype", torch.bfloat16) != torch.bfloat16:
-            why.append(f"the model runs in {model.dtype} (the page code is for bf16; use --dtype bfloat16)")
-        if _flag(model, "use_mla"):
-            why.append("the model uses MLA attention")
-        if _flag(model, "is_hybrid") or _flag(model, "is_attention_free"):
-            why.append("the model is hybrid or attention-free (mamba/linear-attention state)")
-        hf = getattr(model, "hf_text_config", None)
-        window = getattr(hf, "sliding_window", None)
-        layer_types = list(getattr(hf, "layer_types", None) or [])
-        if (window and getattr(hf, "use_sliding_window", True) is not False) or any(
-                "sliding" in str(t) for t in layer_types):
-            why.append("the model has sliding-window attention layers")
-        if getattr(hf, "attention_chunk_size", None):
-            why.append("the model has chunked local attention layers")
-    return why
-
-
-def _flag(obj: Any, name: str) -> bool:
-    try:
-        return bool(getattr(obj, name, False))
-    except Exception:  # some model-config properties need registry lookups that may fail for odd models
-        return False
+    use = kernels(vllm_config)
+    backend = capabilities.backend_for("torch" if use == "torch" and platform_name() == "cpu" else "cuda")
+    return ([refusal] if refusal else []) + capabilities.engine_refusals(backend, vllm_config)
 
 
 def platform_name() -> str:
@@ -199,7 +164,7 @@ def platform_name() -> str:
     return str(getattr(current_platform, "device_name", "unknown"))
 
 
-class UnsupportedVLLMError(ValueError):
+class UnsupportedVLLMError(RefusedError):
     """vLLM lacks a hook the plugin needs (a version outside the supported range)."""
 
 
@@ -228,7 +193,7 @@ def decided_config() -> Any:
 
 def decide(vllm_config: Any) -> Decision:
     """This process's decision for its engine (one engine a process): made once from both settings, then the
-    same object for every caller that passes the same config. Raises ValueError for lossless/exact where it
+    same object for every caller that passes the same config. Raises RefusedError for lossless/exact where it
     cannot hold."""
     global _decided
     if _decided is not None and _decided[0] is vllm_config:
@@ -245,14 +210,14 @@ def resolve(vllm_config: Any) -> Decision:
         return Decision(asked, "off")
     if _missing_hooks:
         if asked in PAGE_MODES:
-            raise UnsupportedVLLMError(f"Glyd KV cache (kv={asked}) cannot run: {missing_hooks()}. Install a "
-                                       f"supported vLLM, or {OFF_HINT}.")
+            raise UnsupportedVLLMError(f"Glyd KV cache (kv={asked}) cannot run: {missing_hooks()}",
+                                       f"install a supported vLLM, or {OFF_HINT}")
         return Decision(asked, "off", missing_hooks())
     why = unsupported(vllm_config, asked)
     if asked in PAGE_MODES:
         if why:
-            raise ValueError(f"Glyd KV cache (kv={asked}) cannot run this engine: " + "; ".join(why)
-                             + f". Change that, or {OFF_HINT}.")
+            raise RefusedError(f"Glyd KV cache (kv={asked}) cannot run this engine: " + "; ".join(why),
+                               f"change that, or {OFF_HINT}")
         return Decision(asked, asked, kernels=kernels(vllm_config))
     if why:
         return Decision(asked, "off", "; ".join(why))

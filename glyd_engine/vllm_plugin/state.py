@@ -163,8 +163,10 @@ def page_view(kv_cache: torch.Tensor, page_bytes: int) -> torch.Tensor:
     if b * c < page_bytes:
         raise ValueError(f"vLLM allocated {b * c} bytes a page, the page code needs {page_bytes}")
     if kv_cache.stride(3) != 1 or (b > 1 and kv_cache.stride(2) * kv_cache.element_size() != c):
-        raise ValueError(f"Glyd KV cache: vLLM's cache view has strides {kv_cache.stride()}, where a page's tokens "
-                         f"are not one run of bytes; {settings_hint()}")
+        from glyd_engine.errors import RefusedError
+
+        raise RefusedError(f"Glyd KV cache: vLLM's cache view has strides {kv_cache.stride()}, where a page's tokens "
+                           "are not one run of bytes", settings_hint())
     raw = kv_cache.view(torch.uint8)
     return raw.as_strided((nb, h, page_bytes), (raw.stride(0), raw.stride(1), 1))
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,12 +28,12 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     VocabParallelEmbedding,
 )
 
-from glyd_engine.errors import CorruptFileError, UnsupportedModelError
+from glyd_engine.errors import CorruptFileError, RefusedError, UnsupportedModelError
 from glyd_engine.format import FORMAT_VERSION, resident
 from glyd_engine.format import fragment_weight as fw
 from glyd_engine.format import weights as wcode
 from glyd_engine.format.checkpoint import MIN_PACKED_VALUES, QUANT_METHOD
-from glyd_engine.vllm_plugin.settings import ENV_WEIGHT_LAYOUT, WEIGHT_LAYOUTS, weights_mode
+from glyd_engine.vllm_plugin.settings import options, weights_mode
 
 log = logging.getLogger("vllm.glyd")
 
@@ -263,11 +262,11 @@ def _cuda_matmul_builds(device: torch.device) -> bool:
 
 
 def weight_layout(device: torch.device, shape: tuple[int, ...]) -> str:
-    """`resident` or `fragment` for a weight of this shape on this device (`GLYD_WEIGHT_LAYOUT`, settings.py)."""
-    asked = os.environ.get(ENV_WEIGHT_LAYOUT, "auto").strip().lower() or "auto"
-    if asked not in WEIGHT_LAYOUTS:
-        raise UnsupportedModelError(f"{ENV_WEIGHT_LAYOUT}={asked!r} is not a weight layout: use one of "
-                                    f"{', '.join(WEIGHT_LAYOUTS)} (or leave it unset for auto)")
+    """`resident` or `fragment` for a weight of this shape on this device (GLYD_WEIGHT_LAYOUT or additional_config
+    glyd.weight_layout, options.py)."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    asked = options(get_current_vllm_config_or_none()).weight_layout
     if asked == "resident" or fw.unsupported(shape) is not None:
         return "resident"
     if asked == "fragment":
@@ -306,8 +305,8 @@ def _install(layer: torch.nn.Module, r: resident.ResidentWeight, device: torch.d
 
 def _refuse_partitioned(layer: torch.nn.Module, prefix: str) -> None:
     if int(getattr(layer, "tp_size", 1) or 1) > 1:
-        raise UnsupportedModelError(f"Glyd weights do not support tensor parallelism yet ({prefix}: tp_size "
-                                    f"{layer.tp_size}); serve the Glyd checkpoint on one device")
+        raise RefusedError(f"Glyd weights do not support tensor parallelism yet ({prefix}: tp_size {layer.tp_size})",
+                           "serve the Glyd checkpoint on one device")
 
 
 def _finish(layer: torch.nn.Module) -> None:
@@ -496,4 +495,5 @@ def refusals(vllm_config: Any) -> list[str]:
 def check(vllm_config: Any) -> None:
     why = refusals(vllm_config)
     if why:
-        raise ValueError("Glyd weights (--quantization glyd) cannot be served: " + "; ".join(why) + ".")
+        raise RefusedError("Glyd weights (--quantization glyd) cannot be served: " + "; ".join(why),
+                           "change that, or serve the bf16 model without --quantization glyd")

@@ -76,5 +76,5 @@ def test_numbers_in_the_stats_bar() -> None:
     assert mode == "KV mode Glyd lossless: every value exact, 1.42x the tokens of bf16 · vLLM 0.32.0 (CPU build, eager)"
     auto = Ready(kv_mode="off", engine="vLLM", kv_reason="the lossless cache is not measured as fast as vLLM's own on "
                  "cpu (set GLYD_KV=lossless to hold ~1.4x the tokens anyway)")
-    assert mode_line(auto).plain.startswith("KV mode vLLM's own: the lossless cache is not measured as fast")
+    assert mode_line(auto).plain.startswith("KV mode vLLM's own cache: the lossless cache is not measured as fast")
     assert len(mode_line(auto).plain) < 120

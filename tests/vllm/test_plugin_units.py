@@ -327,7 +327,7 @@ def test_bench_kv_parser() -> None:
 
 
 def test_weight_layout_by_setting_shape_and_device(monkeypatch: pytest.MonkeyPatch) -> None:
-    from glyd_engine.errors import UnsupportedModelError
+    from glyd_engine.errors import SettingError
     from glyd_engine.vllm_plugin.weights import weight_layout
 
     cpu = torch.device("cpu")
@@ -337,7 +337,7 @@ def test_weight_layout_by_setting_shape_and_device(monkeypatch: pytest.MonkeyPat
     assert weight_layout(cpu, (576, 576)) == "fragment"
     assert weight_layout(cpu, (576, 100)) == "resident"  # a shape the layout cannot hold keeps the resident code
     monkeypatch.setenv(settings.ENV_WEIGHT_LAYOUT, "tiles")
-    with pytest.raises(UnsupportedModelError, match="GLYD_WEIGHT_LAYOUT='tiles'.*auto, resident, fragment"):
+    with pytest.raises(SettingError, match="GLYD_WEIGHT_LAYOUT='tiles'.*auto, resident, fragment"):
         weight_layout(cpu, (576, 576))
 
 

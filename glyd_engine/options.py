@@ -1,0 +1,99 @@
+"""Glyd's settings, each declared once: its key in vLLM's `additional_config["glyd"]`, its environment variable,
+the values it takes. A value is parsed where it enters (the environment, vLLM's additional_config, a command
+line, config.toml) into a typed value; a bad one is one `SettingError` naming where it came from and every value
+the setting takes, so the user can fix it without the docs. Everything past the edge takes the typed value.
+
+Stdlib only: glyd-chat, `glyd serve` and `glyd doctor` parse with it before torch or vLLM load. The KV mode's
+own declaration is `kv_mode.SETTING`; the plugin reads all of them for an engine through
+`vllm_plugin.settings.options`.
+
+Precedence (docs/vllm.md, "Settings"): the engine's `additional_config {"glyd": {KEY: ...}}` wins over the
+process's environment variable; neither set: the default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from glyd_engine.errors import SettingError
+
+SECTION = "glyd"  # additional_config's key for Glyd's settings (per engine)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A setting that takes one of a few words (case and surrounding spaces ignored)."""
+
+    key: str  # additional_config glyd.<key>
+    env: str  # the environment variable
+    values: tuple[str, ...]
+    what: str  # what a value is, for the error: "Glyd KV mode"
+    default: str = "auto"
+
+    def refusal(self, text: str, source: str | None) -> SettingError:
+        said = f"{source}={text!r}" if source else repr(text)
+        return SettingError(f"{said} is not a {self.what}", f"use one of {', '.join(self.values)}")
+
+    def parse(self, value: object, source: str | None) -> str:
+        """`value` as one of `values`; `source` names where it came from in the error (None: the caller's
+        framing names it, as argparse does)."""
+        text = str(value).strip().lower()
+        if text not in self.values:
+            raise self.refusal(text, source)
+        return text
+
+    def read(self, section: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None) -> str:
+        """The value for one engine by the precedence above (`section`: its additional_config["glyd"]; an empty
+        environment variable counts as unset). The losing source is not read."""
+        value = (section or {}).get(self.key)
+        if value is not None:
+            return self.parse(value, f"additional_config {SECTION}.{self.key}")
+        value = (os.environ if environ is None else environ).get(self.env)
+        return self.parse(value, self.env) if value else self.default
+
+    def arg_type(self) -> Callable[[str], str]:
+        """An argparse `type=`: a bad `--flag` value gets this setting's error, under argparse's own framing."""
+
+        def parse(text: str) -> str:
+            try:
+                return self.parse(text, None)
+            except SettingError as exc:
+                raise argparse.ArgumentTypeError(str(exc)) from exc
+
+        return parse
+
+    @property
+    def metavar(self) -> str:
+        return "{" + ",".join(self.values) + "}"
+
+
+ON = ("on", "true", "yes", "1")
+OFF = ("off", "false", "no", "0")
+
+# What runs the KV pages: torch (the CPU build: pages decoded, then vLLM's own CPU kernel), cuda (the GPU backend:
+# the CUDA kernels in kernels/cuda read compressed pages), or reference (the GPU backend's wiring on the torch
+# reference of those kernels: how the tests run it on the CPU build). auto: by platform.
+KERNELS = Choice("kernels", "GLYD_KV_KERNELS", ("auto", "torch", "cuda", "reference"), "Glyd kernel choice")
+# The page code's width: 3 bits (the most tokens: ~11.3 bits a value) or 4 (~12.1 bits, about a tenth of the
+# escapes, which decode attention pays for). auto: 3 on the CPU build, 4 where the CUDA kernels run (docs/gpu.md).
+CODE = Choice("code", "GLYD_KV_CODE", ("auto", "3", "4"), "Glyd KV code width")
+# Debug: keep a bf16 shadow of every page and compare each value read.
+CHECK = Choice("check", "GLYD_KV_CHECK", ON + OFF, "Glyd KV check switch", default="off")
+# What a Glyd checkpoint's matmuls compute: lossless (auto; the weights decoded inside the CUDA matmul for small
+# batches: every weight exact, the products summed in the kernel's order) or exact (each weight decoded to bf16 and
+# multiplied by the bf16 model's own GEMM: its outputs bit for bit, slower). On the CPU build both are exact.
+WEIGHTS = Choice("weights", "GLYD_WEIGHTS", ("auto", "lossless", "exact"), "Glyd weights mode")
+# How `--quantization glyd` holds a weight in memory: resident (row-major) or fragment (the CUDA matmul's layout,
+# docs/format.md section 4.1). auto: fragment on CUDA where the weight's shape allows it and the CUDA matmul builds.
+WEIGHT_LAYOUT = Choice("weight_layout", "GLYD_WEIGHT_LAYOUT", ("auto", "resident", "fragment"), "Glyd weight layout")
+
+PLUGIN: tuple[Choice, ...] = (KERNELS, CODE, CHECK, WEIGHTS, WEIGHT_LAYOUT)  # besides the KV mode (kv_mode.SETTING)
+
+
+def is_on(value: str) -> bool:
+    """A parsed on/off word as a bool."""
+    return value in ON
