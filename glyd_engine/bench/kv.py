@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from glyd_engine import torch_extras
+
 RESULT = "GLYD_RESULT "
 DEFAULT_KV_BYTES = 160 * 1024 * 1024
 
@@ -36,6 +38,7 @@ def corpus_ids(tokenizer: Any, n: int, skip: int = 0) -> list[int]:
 
 
 def _engine(spec: dict[str, Any]) -> Any:
+    torch_extras.guard()
     from vllm import LLM
 
     from glyd_engine.engine.engine_args import engine_args
@@ -101,6 +104,7 @@ def _counters(llm: Any) -> dict[str, float]:
 
 
 def run_child(spec: dict[str, Any]) -> dict[str, Any]:
+    torch_extras.guard()
     import vllm
 
     t0 = time.monotonic()
