@@ -150,6 +150,7 @@ def test_child_dying_mid_reply_is_reported_and_restartable(echo: tuple[EngineCli
     rid = client.generate([{"role": "user", "content": "CRASH now"}])
     err = rec.until(p.Error)
     assert err.kind == "crash" and err.fatal and "exit code 3" in err.message and err.id == rid
+    assert "RuntimeError: the echo backend was asked to crash" in err.message  # the log's exception, not its last line
     fin = rec.until(p.Finished)
     assert (fin.id, fin.reason) == (rid, "error")
     rec.until(p.Stopped)
@@ -168,7 +169,28 @@ def test_a_killed_engine_is_named_as_stopped_by_a_signal(echo: tuple[EngineClien
     client.generate([{"role": "user", "content": "KILL now"}])
     err = rec.until(p.Error)
     assert err.fatal and "stopped by SIGKILL" in err.message and "unrelated warning" not in err.message
+    assert err.kind == "signal"  # no OOM kill was counted meanwhile: not called "out of memory"
     assert rec.until(p.Stopped).exit_code == -9
+
+
+def test_exit_reasons_follow_the_evidence(tmp_path: Path) -> None:
+    """A SIGKILL is out of memory only where the cgroup counted an OOM kill; an exit code quotes the log's
+    last exception line; a MemoryError there is out of memory."""
+    from glyd_engine.engine.exit_reason import exit_error, oom_kills
+
+    assert oom_kills() is None or oom_kills() >= 0
+    log = tmp_path / "engine.log"
+    log.write_text("INFO loading\nTraceback (most recent call last):\n  File \"x\"\n"
+                   "ValueError: bad block size\nWARNING something unrelated\n")
+    assert exit_error(-9, 4, 5, log).kind == "oom"
+    killed = exit_error(-9, 4, 4, log)
+    assert killed.kind == "signal" and "SIGKILL" in killed.message
+    assert exit_error(-9, None, None, None).kind == "signal"
+    crashed = exit_error(1, 0, 0, log, "r1")
+    assert crashed.kind == "crash" and "ValueError: bad block size" in crashed.message and crashed.id == "r1"
+    log.write_text("torch.OutOfMemoryError: tried to allocate 2 GiB\n")
+    assert exit_error(1, None, None, log).kind == "oom"
+    assert "its log says why" in exit_error(2, None, None, tmp_path / "absent.log").message
 
 
 @pytest.mark.parametrize("kind", ["oom", "unsupported", "offline", "refused"])

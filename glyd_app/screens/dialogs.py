@@ -68,7 +68,8 @@ KIND_TITLES = {
     "refused": "Refused",
     "offline": "No network",
     "cancelled": "Start cancelled",
-    "crash": "The engine stopped",
+    "crash": "The engine crashed",
+    "signal": "The engine was stopped by a signal",
 }
 
 
