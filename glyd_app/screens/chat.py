@@ -106,9 +106,11 @@ class ChatScreen(Screen[None]):
 
     async def on_chat_input_send(self, event: ChatInput.Send) -> None:
         event.stop()
-        await self.send(event.text)
+        await self.send(event.text, event.raw)
 
-    async def send(self, text: str) -> None:
+    async def send(self, text: str, raw: str | None = None) -> None:
+        """Send `text`; the box loses `raw` (the box's text it came from; None: all of it), and keeps any
+        key typed after Enter."""
         if self.session.chat is None:
             return
         if self.session.busy:
@@ -121,7 +123,11 @@ class ChatScreen(Screen[None]):
             await hint.remove()
         await box.mount(MessageView("user", text, message_id=stored.id))
         box.scroll_end(animate=False)
-        self.query_one(ChatInput).clear()
+        box_input = self.query_one(ChatInput)
+        if raw is None:
+            box_input.clear()
+        else:
+            box_input.consume(raw)
         await self.session.request_reply()
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
