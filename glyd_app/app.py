@@ -41,6 +41,7 @@ from glyd_engine.errors import CANCELLED, CRASH, OFFLINE, OfflineError
 
 if TYPE_CHECKING:
     from glyd_app.screens.chats import ChatsChanged, ExportChat
+    from glyd_app.screens.kv_mode import Here
     from glyd_app.screens.models import ForgetModelDir
     from glyd_app.screens.settings import ChatSettings
 
@@ -311,7 +312,8 @@ class GlydApp(App[None]):
         self.start_engine(self.model_spec)
 
     def action_kv_mode(self) -> None:
-        from glyd_app.screens.kv_mode import KVModeScreen
+        from glyd_app.screens.dialogs import Confirm
+        from glyd_app.screens.kv_mode import KVModeScreen, switch_cost
 
         ready = self.session.ready_info
         in_force = ""
@@ -319,9 +321,7 @@ class GlydApp(App[None]):
             mode = "vLLM's own cache" if ready.kv_mode == "off" else f"Glyd {ready.kv_mode}"
             in_force = f"Now: {mode}" + (f" ({ready.kv_reason})" if ready.kv_reason else "")
 
-        def chosen(mode: str | None) -> None:
-            if mode is None:
-                return
+        def switch(mode: str) -> None:
             from glyd_app.config import save_engine_setting
 
             try:
@@ -332,7 +332,31 @@ class GlydApp(App[None]):
             self.notify(f"KV mode {mode}: restarting the engine")
             self.start_engine(self.model_spec)
 
+        def chosen(mode: str | None) -> None:
+            if mode is None:
+                return
+            if mode == self.settings.kv:
+                self.notify(f"KV mode is {mode} already")
+                return
+            question = f"Switch the KV cache to {mode}?\n\n{switch_cost(mode, self.kv_here())}"
+            self.push_screen(Confirm(question, yes="Switch and restart"), lambda yes: switch(mode) if yes else None)
+
         self.push_screen(KVModeScreen(self.settings.kv, in_force), chosen)
+
+    def kv_here(self) -> Here:
+        """What a KV switch costs depends on, from the engine's last ready event and the tables held here."""
+        from glyd_app.screens.kv_mode import Here
+        from glyd_engine.models.tables_here import last_build_seconds, model_tables_seconds
+
+        ready = self.session.ready_info
+        return Here(
+            device=ready.device if ready is not None else "cpu",
+            running=ready.kv_mode if ready is not None else "off",
+            capacity=ready.kv_capacity_tokens if ready is not None else 0,
+            load_s=ready.load_seconds if ready is not None and ready.load_seconds else None,
+            tables_s=model_tables_seconds(Path(ready.path)) if ready is not None and ready.path else None,
+            last_build_s=last_build_seconds(),
+        )
 
     def action_chats(self) -> None:
         from glyd_app.screens.chats import ChatList
