@@ -158,6 +158,14 @@ def run(args: argparse.Namespace) -> int:
     later_kv, vllm_args = take_glyd_options(args.vllm_args)
     kv = later_kv or args.kv
     model = str(resolve_model(args.model, progress=print_progress))
+    if cpu_build():
+        from glyd_engine.models.packed import bf16_source, slow_here
+
+        why = slow_here(Path(model), gpu=False)
+        if why:
+            source = bf16_source(Path(model))
+            print(f"glyd: warning: {why}" + (f"; its bf16 model is {source.path}" if source else ""),
+                  file=sys.stderr)
     env = dict(os.environ)
     if kv:  # --kv is the setting: a GLYD_KV left in the shell (even a misspelt one) has no say
         env.pop(kv_mode.ENV, None)

@@ -75,3 +75,16 @@ def test_served_names_and_bad_kv_values(tmp_path: Path) -> None:
         take_glyd_options(["--kv", "fast"])
     with pytest.raises(GlydError, match="--kv needs a mode"):
         take_glyd_options(["--kv", "--port", "1"])
+
+
+def test_serving_a_glyd_checkpoint_on_the_cpu_build_warns_and_names_its_bf16_model(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], model_dir: Path, tmp_path: Path) -> None:
+    packed = tmp_path / "my-model-glyd"
+    assert main(["pack", str(model_dir), str(packed)]) == 0
+    capsys.readouterr()
+    exec_line(monkeypatch, [str(packed), "--port", "9"])
+    err = capsys.readouterr().err
+    assert "glyd: warning: my-model-glyd is a Glyd checkpoint" in err and "0.1-0.4 tokens a second" in err
+    assert f"its bf16 model is {model_dir}" in err  # packed from it by path: known here
+    exec_line(monkeypatch, [str(model_dir), "--port", "9"])
+    assert "warning" not in capsys.readouterr().err  # a bf16 model: no word
