@@ -92,14 +92,16 @@ class StartScreen(ModalScreen[str]):
     def _count_down(self) -> None:
         """The engine's ETA comes with each step of work (a table build's run: seconds apart); between two,
         it counts down here rather than standing still and then jumping."""
+        details = self.query("#start-detail").results(Label)
         if self.last is not None and self.last.eta_s is not None:
-            self.query_one("#start-detail", Label).update(describe(self.last, self.now() - self.last_at)[1])
+            for label in details:
+                label.update(describe(self.last, self.now() - self.last_at)[1])
 
     def show(self, progress: Progress) -> None:
         """Draw one (coalesced) progress event; a new job resets the bar and its ETA."""
         self.last, self.last_at = progress, self.now()
-        if not self.is_mounted:
-            return
+        if not self.is_mounted or not self.query(ProgressBar):
+            return  # drawn by on_mount, once the widgets are there
         title, detail = describe(progress)
         bar = self.query_one(ProgressBar)
         if progress.job != self.job:

@@ -87,9 +87,9 @@ async def test_the_start_eta_counts_down_between_events(scripted_app: MakeApp) -
     app = scripted_app(Script(start=[Progress("kv-tables", "calibrating", 3, 48, 60.0)]))
     app.progress_clock = MockClock()
     async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: isinstance(app.screen, StartScreen))
+        await wait_for(pilot, lambda: isinstance(app.screen, StartScreen) and bool(app.screen.query("#start-detail")))
         detail = app.screen.query_one("#start-detail")
-        assert "about 1 min 00 s left" in str(detail.render())
+        await wait_for(pilot, lambda: "about 1 min 00 s left" in str(detail.render()), 5, "the engine's ETA")
         app.progress_clock.set_time(12)  # type: ignore[attr-defined]
         await wait_for(pilot, lambda: "about 48 s left" in str(detail.render()), 5, "the countdown")
         app.progress_clock.set_time(112)  # type: ignore[attr-defined]
