@@ -9,6 +9,7 @@ engine) runs in named thread workers; their results come back as messages.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -42,6 +43,7 @@ from glyd_engine.kv_mode import running_name
 
 if TYPE_CHECKING:
     from glyd_app.screens.chats import ChatsChanged, ExportChat
+    from glyd_app.screens.kv_mode import Here
     from glyd_app.screens.models import ForgetModelDir
     from glyd_app.screens.settings import ChatSettings
 
@@ -77,6 +79,7 @@ class GlydApp(App[None]):
         super().__init__()
         self.session = ChatSession(model, settings, engine_factory, store, chat_id, install_if_missing)
         self.export_dir = export_dir or Path.cwd()
+        self.slow_ok: set[str] = set()  # models the user said to load although they will be slow here
         self.start_screen: StartScreen | None = None
         self.chat_screen = ChatScreen(self.session)
         self.progress_clock: Clock | None = None  # tests: a MockClock for deterministic ETAs
@@ -118,8 +121,38 @@ class GlydApp(App[None]):
     def stats_bar(self) -> StatsBar:
         return self.chat_screen.query_one(StatsBar)
 
+    def asked_first(self, spec: str, then: Callable[[str], None]) -> bool:
+        """Where `spec` is a model that will be slow here (a Glyd checkpoint with no CUDA GPU) and the user has
+        not said to load it anyway: ask, then call `then` with the model chosen. True: the question is asked."""
+        from glyd_app.screens.dialogs import SlowModel
+        from glyd_engine.engine.install import engine_flavor
+        from glyd_engine.models.packed import bf16_source, slow_here
+
+        path = Path(spec).expanduser()
+        if spec in self.slow_ok or not (path / "config.json").is_file():
+            return False
+        why = slow_here(path, gpu=engine_flavor() == "gpu")
+        if why is None:
+            return False
+        source = bf16_source(path)
+        source_spec = None if source is None else ("demo" if source.kind == "demo" else str(source.path))
+
+        def chosen(what: str | None) -> None:
+            if what == "load":
+                self.slow_ok.add(spec)
+                then(spec)
+            elif what == "bf16" and source_spec is not None:
+                self.switch_model(source_spec)
+            elif self.session.engine_state != "ready":
+                self.stats_bar.state = f"{_short(spec)} not loaded: F2 picks a model"
+
+        self.push_screen(SlowModel(why, None if source is None else source.name), chosen)
+        return True
+
     def start_engine(self, spec: str, show_progress: bool = True) -> None:
         """Stop the running engine (if any) and start `spec`; progress shows on the start screen."""
+        if self.asked_first(spec, lambda chosen: self.start_engine(chosen, show_progress)):
+            return
         generation = self.session.begin_start(spec)
         bar = self.stats_bar
         bar.ready = None
@@ -302,6 +335,8 @@ class GlydApp(App[None]):
         path = Path(spec).expanduser()
         if path.is_dir():
             spec = str(path.resolve())
+            if self.asked_first(spec, self.switch_model):
+                return
             self.store.add_model_dir(spec)
         self.session.stop_reply()
         if self.session.chat is not None:
@@ -312,16 +347,15 @@ class GlydApp(App[None]):
         self.start_engine(self.model_spec)
 
     def action_kv_mode(self) -> None:
-        from glyd_app.screens.kv_mode import KVModeScreen
+        from glyd_app.screens.dialogs import Confirm
+        from glyd_app.screens.kv_mode import KVModeScreen, switch_cost
 
         ready = self.session.ready_info
         in_force = ""
         if ready is not None:
             in_force = f"Now: {running_name(ready.kv_mode)}" + (f" ({ready.kv_reason})" if ready.kv_reason else "")
 
-        def chosen(mode: str | None) -> None:
-            if mode is None:
-                return
+        def switch(mode: str) -> None:
             from glyd_app.config import save_engine_setting
 
             try:
@@ -332,7 +366,31 @@ class GlydApp(App[None]):
             self.notify(f"KV mode {mode}: restarting the engine")
             self.start_engine(self.model_spec)
 
+        def chosen(mode: str | None) -> None:
+            if mode is None:
+                return
+            if mode == self.settings.kv:
+                self.notify(f"KV mode is {mode} already")
+                return
+            question = f"Switch the KV cache to {mode}?\n\n{switch_cost(mode, self.kv_here())}"
+            self.push_screen(Confirm(question, yes="Switch and restart"), lambda yes: switch(mode) if yes else None)
+
         self.push_screen(KVModeScreen(self.settings.kv, in_force), chosen)
+
+    def kv_here(self) -> Here:
+        """What a KV switch costs depends on, from the engine's last ready event and the tables held here."""
+        from glyd_app.screens.kv_mode import Here
+        from glyd_engine.models.tables_here import last_build_seconds, model_tables_seconds
+
+        ready = self.session.ready_info
+        return Here(
+            device=ready.device if ready is not None else "cpu",
+            running=ready.kv_mode if ready is not None else "off",
+            capacity=ready.kv_capacity_tokens if ready is not None else 0,
+            load_s=ready.load_seconds if ready is not None and ready.load_seconds else None,
+            tables_s=model_tables_seconds(Path(ready.path)) if ready is not None and ready.path else None,
+            last_build_s=last_build_seconds(),
+        )
 
     def action_chats(self, search: bool = False) -> None:
         from glyd_app.screens.chats import ChatList

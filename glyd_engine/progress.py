@@ -6,9 +6,9 @@ them, the app draws them. Events are small and frequent; consumers coalesce them
 
 from __future__ import annotations
 
-import math
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -57,15 +57,18 @@ class CancelToken:
 
 class PhaseTimer:
     """Turns (done, total) into events with an ETA for one phase of a job: the one estimate every front end
-    shows (the app draws no ETA of its own).
+    shows (the app draws no ETA of its own, it only counts this one down between events).
 
-    The ETA is remaining work over a smoothed rate (an exponential average of the rate between updates, over
-    about `SMOOTH_S` seconds), so it follows a rate that changes (another program taking the cores) without
-    jumping with every update; none is given before `MIN_S` seconds and `MIN_FRACTION` of the work, when a
-    first estimate would mostly be start-up noise.
+    The ETA is the remaining work over the rate measured across the last `WINDOW_S` seconds of progress,
+    counted from the first finished unit (the first one carries the phase's warm-up) up to now (so a stall
+    lengthens it). Units of uneven cost (a table build's calibration runs, 1-11 s each on shared cores)
+    average out over the window instead of swinging the estimate with every unit, as a rate smoothed over a
+    few seconds did (1 to 8 minutes for a 165 s build); a lasting change of speed still shows within the
+    window. None is given before `MIN_S` seconds, `MIN_FRACTION` of the work and `MIN_POINTS` steps of work.
     """
 
-    SMOOTH_S = 10.0
+    WINDOW_S = 90.0
+    MIN_POINTS = 4  # the first finished unit and three more: fewer give a rate of one or two uneven units
     MIN_S = 3.0
     MIN_FRACTION = 0.02
 
@@ -74,27 +77,22 @@ class PhaseTimer:
         self.job, self.phase, self.total = job, phase, total
         self.callback, self.cancel, self.clock = callback, cancel, clock
         self.start = clock()
-        self._last: tuple[float, float] | None = None  # (time, done) at the previous update
-        self._rate: float | None = None  # smoothed units a second
+        self._points: deque[tuple[float, float]] = deque()  # (time, done) at each step of work since the first
         self.update(0)
 
     def eta(self, done: float) -> float | None:
         now = self.clock()
-        if self._last is None:
-            self._last = (now, done)
-        else:
-            t0, d0 = self._last
-            dt = now - t0
-            if done != d0 or dt >= 1.0:  # a step of work, or a second without one (a stall slows the rate)
-                if dt > 0 and done >= d0:
-                    rate = (done - d0) / dt
-                    alpha = 1.0 - math.exp(-dt / self.SMOOTH_S)
-                    self._rate = rate if self._rate is None else self._rate + alpha * (rate - self._rate)
-                self._last = (now, done)
-        if (not self.total or not self._rate or now - self.start < self.MIN_S
+        points = self._points
+        if done > 0 and (not points or done > points[-1][1]):
+            points.append((now, done))
+        while len(points) > 2 and now - points[1][0] >= self.WINDOW_S:
+            points.popleft()  # keep one point at or beyond the window's start
+        if (not self.total or len(points) < self.MIN_POINTS or now - self.start < self.MIN_S
                 or done < self.MIN_FRACTION * self.total):
             return None
-        return max(0.0, (self.total - done) / self._rate)
+        t0, d0 = points[0]
+        rate = (points[-1][1] - d0) / max(now - t0, 1e-9)
+        return max(0.0, (self.total - done) / rate) if rate > 0 else None
 
     def update(self, done: float, phase: str | None = None) -> None:
         if self.cancel is not None:

@@ -66,6 +66,9 @@ def install_metadata_alias() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from glyd_engine import torch_extras
+
+    torch_extras.guard()  # vLLM's server imports transformers, which imports any torchvision installed
     install_metadata_alias()
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]

@@ -117,9 +117,11 @@ class ChatScreen(Screen[None]):
 
     async def on_chat_input_send(self, event: ChatInput.Send) -> None:
         event.stop()
-        await self.send(event.text)
+        await self.send(event.text, event.raw)
 
-    async def send(self, text: str) -> None:
+    async def send(self, text: str, raw: str | None = None) -> None:
+        """Send `text`; the box loses `raw` (the box's text it came from; None: all of it), and keeps any
+        key typed after Enter."""
         if self.session.chat is None:
             return
         if self.session.busy:
@@ -143,7 +145,11 @@ class ChatScreen(Screen[None]):
             await hint.remove()
         await box.mount(MessageView("user", text, message_id=stored.id, files=[a.label() for a in files]))
         box.scroll_end(animate=False)
-        self.query_one(ChatInput).clear()
+        box_input = self.query_one(ChatInput)
+        if raw is None:
+            box_input.clear()
+        else:
+            box_input.consume(raw)
         await self.session.request_reply()
 
     def action_attach(self) -> None:

@@ -62,13 +62,52 @@ class Confirm(ModalScreen[bool]):
         self.dismiss(False)
 
 
+class SlowModel(ModalScreen[str]):
+    """Before a model loads that will be slow here (a Glyd checkpoint with no CUDA GPU): why, and the choice
+    of loading it anyway, opening its bf16 model where that is here, or not loading it."""
+
+    BINDINGS = [
+        Binding("escape", "choose('cancel')", "Don't load"),
+        Binding("l", "choose('load')", "Load anyway"),
+        Binding("b", "choose('bf16')", "Open the bf16 model"),
+    ]
+    DEFAULT_CSS = DIALOG_CSS.format(name="SlowModel") + """
+    SlowModel > Vertical { border: thick $warning; }
+    SlowModel #why { width: 100%; }
+    """
+
+    def __init__(self, why: str, bf16_name: str | None) -> None:
+        super().__init__()
+        self.why, self.bf16_name = why, bf16_name
+
+    def compose(self) -> ComposeResult:
+        with Vertical():
+            yield Label("This model will be slow here", classes="title")
+            offer = (f"\n\nIts bf16 model, {self.bf16_name}, is here: same replies, full speed."
+                     if self.bf16_name else "")
+            yield Static(self.why[:1].upper() + self.why[1:] + "." + offer, id="why", markup=False)
+            with Horizontal():
+                yield Button("Don't load", id="cancel")
+                if self.bf16_name:
+                    yield Button("Open bf16", id="bf16", variant="primary")
+                yield Button("Load anyway", id="load", variant="warning")
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        self.dismiss(event.button.id or "cancel")
+
+    def action_choose(self, what: str) -> None:
+        if what != "bf16" or self.bf16_name:
+            self.dismiss(what)
+
+
 KIND_TITLES = {
     "oom": "Not enough memory",
     "unsupported": "This model is not supported",
     "refused": "Refused",
     "offline": "No network",
     "cancelled": "Start cancelled",
-    "crash": "The engine stopped",
+    "crash": "The engine crashed",
+    "signal": "The engine was stopped by a signal",
 }
 
 

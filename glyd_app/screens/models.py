@@ -61,8 +61,9 @@ def find_models(user_dirs: list[Path]) -> list[ModelEntry]:
     detail = f"built in · ready · {gib(demo.size_bytes)}" if demo else "built in, built on first use"
     entries = [ModelEntry(DEMO_MODEL_ID, display_name(DEMO_MODEL_ID), detail)]
     seen: set[str] = set()
+    mine = {str(d) for d in user_dirs}  # the user's directories are listed below, where they can be forgotten
     for m in local:
-        if m.kind == "demo":
+        if m.kind == "demo" or str(m.path) in mine:
             continue
         seen.add(str(m.path))
         entries.append(ModelEntry(str(m.path), m.name, f"{m.kind} · {gib(m.size_bytes)}"))

@@ -7,6 +7,8 @@ bar keeps showing the percentage.
 
 from __future__ import annotations
 
+import time
+
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.clock import Clock
@@ -26,12 +28,12 @@ JOB_TITLES = {
 JOB_ORDER = ["engine-install", "demo-model", "download", "kv-tables", "engine"]
 
 
-def describe(progress: Progress) -> tuple[str, str]:
-    """(step title, detail line) for an event."""
+def describe(progress: Progress, elapsed: float = 0.0) -> tuple[str, str]:
+    """(step title, detail line) for an event, its ETA counted down by the `elapsed` seconds since it came."""
     title = JOB_TITLES.get(progress.job, progress.job)
     detail = progress.phase[:1].upper() + progress.phase[1:] if progress.phase else ""
     if progress.eta_s is not None and progress.total:
-        minutes, seconds = divmod(int(progress.eta_s + 0.5), 60)
+        minutes, seconds = divmod(int(max(0.0, progress.eta_s - elapsed) + 0.5), 60)
         detail += f" · about {minutes} min {seconds:02d} s left" if minutes else f" · about {seconds} s left"
     return title, detail
 
@@ -65,6 +67,7 @@ class StartScreen(ModalScreen[str]):
         self.clock = clock  # tests pass a MockClock so the bar's own ETA is deterministic
         self.job: str | None = None
         self.last: Progress | None = None
+        self.last_at = 0.0  # when `last` came (self.now()): its ETA counts down from there between events
 
     def compose(self) -> ComposeResult:
         with Vertical():
@@ -81,12 +84,24 @@ class StartScreen(ModalScreen[str]):
     def on_mount(self) -> None:
         if self.last is not None:
             self.show(self.last)
+        self.set_interval(1.0, self._count_down)
+
+    def now(self) -> float:
+        return self.clock.time if self.clock is not None else time.monotonic()
+
+    def _count_down(self) -> None:
+        """The engine's ETA comes with each step of work (a table build's run: seconds apart); between two,
+        it counts down here rather than standing still and then jumping."""
+        details = self.query("#start-detail").results(Label)
+        if self.last is not None and self.last.eta_s is not None:
+            for label in details:
+                label.update(describe(self.last, self.now() - self.last_at)[1])
 
     def show(self, progress: Progress) -> None:
         """Draw one (coalesced) progress event; a new job resets the bar and its ETA."""
-        self.last = progress
-        if not self.is_mounted or not self.query(ProgressBar):  # not composed yet: on_mount draws `last`
-            return
+        self.last, self.last_at = progress, self.now()
+        if not self.is_mounted or not self.query(ProgressBar):
+            return  # drawn by on_mount, once the widgets are there
         title, detail = describe(progress)
         bar = self.query_one(ProgressBar)
         if progress.job != self.job:

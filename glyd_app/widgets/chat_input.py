@@ -22,17 +22,32 @@ class ChatInput(TextArea):
     """
 
     class Send(Message):
-        def __init__(self, text: str) -> None:
+        def __init__(self, text: str, raw: str) -> None:
             super().__init__()
-            self.text = text
+            self.text = text  # stripped: what is sent
+            self.raw = raw  # the box's text at the time: what `consume` removes once it is sent
 
     def __init__(self, **kwargs: object) -> None:
         super().__init__(soft_wrap=True, show_line_numbers=False, compact=False, **kwargs)  # type: ignore[arg-type]
 
+    # Priority bindings run as the app receives the key, while the characters typed before it may still wait
+    # in this widget's queue (fast typing while a reply renders; a paste that arrives as key presses). Both
+    # actions therefore run from that queue, after those characters: reading the text at once sent a cut
+    # message, and the characters inserted after it were cleared with the box.
+
     def action_send(self) -> None:
-        text = self.text.strip()
-        if text:
-            self.post_message(self.Send(text))
+        self.call_later(self._send_now)
 
     def action_newline(self) -> None:
-        self.insert("\n")
+        self.call_later(self.insert, "\n")
+
+    def _send_now(self) -> None:
+        text = self.text.strip()
+        if text:
+            self.post_message(self.Send(text, self.text))
+
+    def consume(self, raw: str) -> None:
+        """Remove a sent text from the box, keeping what was typed after it (the next message's start)."""
+        rest = self.text[len(raw):] if self.text.startswith(raw) else ""
+        self.text = rest
+        self.move_cursor(self.document.end)

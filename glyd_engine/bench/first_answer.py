@@ -20,6 +20,8 @@ import sys
 import time
 from typing import Any
 
+from glyd_engine import torch_extras
+
 QUESTION = "What is the capital of France?"
 QA = [(QUESTION, ["Paris"]), ("What is the capital of Germany?", ["Berlin"]),
       ("What is the capital of Italy?", ["Rome"]), ("What is the capital of Japan?", ["Tokyo"]),
@@ -46,6 +48,7 @@ def _top5(pairs: list[tuple[str, float]]) -> list[list[Any]]:
 
 def child(model: str, compiled: bool, seeds: int) -> dict[str, Any]:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    torch_extras.guard()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 

@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from glyd_engine import torch_extras
+
 RESULT = "GLYD_RESULT "
 DEFAULT_KV_BYTES = 160 * 1024 * 1024
 
@@ -38,6 +40,7 @@ def corpus_ids(tokenizer: Any, n: int, skip: int = 0) -> list[int]:
 def _engine(spec: dict[str, Any]) -> Any:
     """One engine for a spec. On the CPU build eager unless `compiled`; with `gpu`, vLLM's defaults (torch.compile,
     CUDA graphs) unless `eager`, its KV budget a fixed `kv_bytes` or else `gpu_memory_utilization`."""
+    torch_extras.guard()
     from vllm import LLM
 
     from glyd_engine.engine.engine_args import engine_args
@@ -145,6 +148,7 @@ def _counters(llm: Any) -> dict[str, float]:
 def run_child(spec: dict[str, Any]) -> dict[str, Any]:
     if spec.get("one_schedule"):  # the engine core in this process: every prompt queued before the first step
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    torch_extras.guard()
     import vllm
 
     t0 = time.monotonic()

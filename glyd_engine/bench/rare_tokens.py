@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from glyd_engine import torch_extras
 from glyd_engine.bench.kv import corpus_ids
 
 REFERENCE_SKIP = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # trained control tokens: not a reference
@@ -121,6 +122,7 @@ def run_rare_child(spec: dict[str, Any]) -> dict[str, Any]:
     # The engine core in this process: every prompt is queued before the first step, so the schedule does not
     # depend on when requests reach the core (see the module doc). Set before vLLM reads it.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    torch_extras.guard()
     import vllm
 
     from glyd_engine.bench.kv import _counters, _engine, _generate

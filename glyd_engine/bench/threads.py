@@ -12,11 +12,14 @@ import subprocess
 import sys
 import time
 
+from glyd_engine import torch_extras
+
 RESULT = "GLYD_RESULT "
 
 
 def child(model: str) -> dict[str, float]:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    torch_extras.guard()
     import torch
     from vllm import LLM, SamplingParams
 

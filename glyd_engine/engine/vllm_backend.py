@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from glyd_engine import paths
+from glyd_engine import paths, torch_extras
 from glyd_engine.engine.engine_args import engine_args
 from glyd_engine.engine.protocol import (
     Delta,
@@ -155,6 +155,19 @@ class _Reply:
         self.last_stats = 0.0
 
 
+def import_engine() -> tuple[Any, Any, Any, Any]:
+    """vLLM and the pieces the engine starts with: (vllm, EngineArgs, current_platform, LLMEngine). `glyd doctor`
+    runs this very import, so it tells whether a start gets past it. Torch add-ons that cannot load (a
+    torchvision built for another torch) are kept out first (glyd_engine.torch_extras)."""
+    torch_extras.guard()
+    import vllm
+    from vllm import EngineArgs
+    from vllm.platforms import current_platform
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    return vllm, EngineArgs, current_platform, LLMEngine
+
+
 class VllmBackend:
     def __init__(self, model: str, model_dir: Path, settings: EngineSettings, emit: Callable[[Event], None]) -> None:
         self.model, self.model_dir, self.settings, self.emit = model, model_dir, settings, emit
@@ -172,10 +185,7 @@ class VllmBackend:
         start = time.monotonic()
         eager_key = "eager" if s.enforce_eager is not False else "compiled"
         with _LoadTicker(f"{self.model_dir}|{eager_key}", self.emit, default_s=30.0) as ticker:
-            import vllm
-            from vllm import EngineArgs
-            from vllm.platforms import current_platform
-            from vllm.v1.engine.llm_engine import LLMEngine
+            vllm, EngineArgs, current_platform, LLMEngine = import_engine()
 
             with _PhaseHook(ticker.set_phase):
                 cpu = current_platform.is_cpu()

@@ -22,27 +22,33 @@ class LocalModel:
     name: str
     path: Path
     size_bytes: int
-    kind: str  # "demo" | "downloaded" | "glyd-packed"
+    kind: str  # "demo" | "downloaded" | "glyd-packed" | "local" (a directory opened by path)
 
 
 def list_local_models() -> list[LocalModel]:
-    """Finished model directories under models_dir(); hidden (in-progress) ones are skipped."""
+    """Finished model directories under models_dir() (hidden, in-progress ones skipped), then the directories
+    elsewhere that Glyd opened or packed (glyd_engine.models.known), newest last."""
+    from glyd_engine.models.known import known_dirs
+
     root = paths.models_dir().absolute()
-    if not root.is_dir():
-        return []
     found = []
-    for child in sorted(root.iterdir(), key=lambda p: p.name.lower()):
-        if child.name.startswith(".") or not (child / "config.json").is_file():
-            continue
-        found.append(LocalModel(child.name, child, dir_size(child), _kind(child)))
+    if root.is_dir():
+        for child in sorted(root.iterdir(), key=lambda p: p.name.lower()):
+            if child.name.startswith(".") or not (child / "config.json").is_file():
+                continue
+            found.append(LocalModel(child.name, child, dir_size(child), _kind(child)))
+    for path in known_dirs():
+        found.append(LocalModel(path.name, path, dir_size(path), _kind(path, elsewhere=True)))
     return found
 
 
-def _kind(path: Path) -> str:
+def _kind(path: Path, elsewhere: bool = False) -> str:
     config = read_json(path / "config.json") or {}
     quant = config.get("quantization_config") or {}
     if isinstance(quant, dict) and quant.get("quant_method") == "glyd":
         return "glyd-packed"
+    if elsewhere:
+        return "local"
     marker = read_json(path / MARKER) or {}
     return "demo" if marker.get("kind") == "demo" else "downloaded"
 

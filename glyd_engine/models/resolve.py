@@ -14,6 +14,7 @@ from glyd_engine.errors import GlydError
 from glyd_engine.format.model_dir import validate_model_dir
 from glyd_engine.models.demo import DEMO_MODEL_ID, DEMO_NAME, demo_model_path, ensure_demo_model
 from glyd_engine.models.hub import hub_model, local_hub_model
+from glyd_engine.models.known import remember
 from glyd_engine.progress import CancelToken, ProgressCallback, no_progress
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}(/[\w.-]{1,96})?")
@@ -26,7 +27,9 @@ def resolve_model(id_or_dir: str, progress: ProgressCallback = no_progress,
         return validate_model_dir(ensure_demo_model(progress, cancel))
     path = _existing_dir_or_hub_id(id_or_dir)
     if isinstance(path, Path):
-        return validate_model_dir(path)
+        found = validate_model_dir(path)
+        remember(found)  # `glyd models list` and the picker show models opened by path
+        return found
     return hub_model(id_or_dir, progress, cancel)
 
 

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 
-from glyd_engine import paths
 from glyd_engine.errors import CorruptFileError
 from glyd_engine.format import bf16
 from glyd_engine.format.kv_page import CODE_BITS, TILE, best_windows, check_head_size, valid_reserve, window
 from glyd_engine.model_shape import AttentionShape
+from glyd_engine.models.tables_here import tables_file
 from glyd_engine.progress import CancelToken, PhaseTimer, ProgressCallback, no_progress
 from glyd_engine.tables.kv_tables import KVTables
 
@@ -34,7 +34,7 @@ RESERVE_SIGMAS = 1.0  # escape-list entries a tile = mean + this many standard d
 
 
 def tables_path(fingerprint: str) -> Path:
-    return paths.kv_tables_dir() / f"{fingerprint}.safetensors"
+    return tables_file(fingerprint)  # named in one place, read there without torch by the app
 
 
 def calibration_ids(tokenizer, seq_len: int, budget: int) -> list[torch.Tensor]:  # noqa: ANN001

@@ -67,3 +67,27 @@ async def test_model_that_fails_to_load_shows_why(echo_app) -> None:  # type: ig
         await pilot.press("escape")
         assert app.screen is app.chat_screen and app.session.engine_state == "failed"
         await pilot.press("ctrl+q")
+
+
+async def test_a_killed_engine_is_titled_by_what_happened(echo_app) -> None:  # type: ignore[no-untyped-def]
+    """kill -9 of the engine: the dialog says it was stopped by a signal (no OOM kill was counted), not
+    "Not enough memory"; a crash with an exit code says it crashed, with the log's exception line."""
+    from textual.widgets import Label
+
+    app = echo_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.session.engine_state == "ready", 30, "ready")
+        await type_text(pilot, "please KILL")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: isinstance(app.screen, EngineFailed), 30, "failure dialog")
+        title = str(app.screen.query_one(".title", Label).render())
+        assert title == "The engine was stopped by a signal", title
+        assert "stopped by SIGKILL" in app.screen.message  # type: ignore[attr-defined]
+        await pilot.press("r")
+        await wait_for(pilot, lambda: app.session.engine_state == "ready", 30, "ready again")
+        await focus_input(pilot, app)
+        await type_text(pilot, "please CRASH")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: isinstance(app.screen, EngineFailed), 30, "failure dialog")
+        assert str(app.screen.query_one(".title", Label).render()) == "The engine crashed"
+        assert "RuntimeError: the echo backend was asked to crash" in app.screen.message  # type: ignore[attr-defined]

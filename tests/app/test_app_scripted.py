@@ -79,6 +79,23 @@ async def test_escape_stops_the_reply_and_keeps_the_text(scripted_app: MakeApp, 
         assert "Stopped" in list(app.query(MessageView))[-1].note
 
 
+async def test_the_start_eta_counts_down_between_events(scripted_app: MakeApp) -> None:
+    """The engine's ETA comes with each step of work (a table build's run: seconds apart); between two the
+    start screen counts it down instead of standing still and then jumping."""
+    from textual.clock import MockClock
+
+    app = scripted_app(Script(start=[Progress("kv-tables", "calibrating", 3, 48, 60.0)]))
+    app.progress_clock = MockClock()
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: isinstance(app.screen, StartScreen) and bool(app.screen.query("#start-detail")))
+        detail = app.screen.query_one("#start-detail")
+        await wait_for(pilot, lambda: "about 1 min 00 s left" in str(detail.render()), 5, "the engine's ETA")
+        app.progress_clock.set_time(12)  # type: ignore[attr-defined]
+        await wait_for(pilot, lambda: "about 48 s left" in str(detail.render()), 5, "the countdown")
+        app.progress_clock.set_time(112)  # type: ignore[attr-defined]
+        await wait_for(pilot, lambda: "about 0 s left" in str(detail.render()), 5, "no negative ETA")
+
+
 async def test_message_typed_while_starting_is_sent_when_ready(scripted_app: MakeApp) -> None:
     app = scripted_app(Script(start=[Progress("kv-tables", "calibrating", 3, 48, 60.0)]))
     async with app.run_test(size=SIZE) as pilot:
@@ -293,24 +310,48 @@ async def test_quick_successive_switches_leave_one_engine(scripted_app: MakeApp,
         assert [e for e in engines if e.running] == [app.session.engine]
 
 
-async def test_kv_mode_is_chosen_in_the_app_saved_and_the_engine_restarts(scripted_app: MakeApp,
-                                                                         glyd_home: Path) -> None:
-    """F5 lists the modes with what each costs; picking one keeps the user's config.toml lines, saves the mode
-    there and restarts the engine with it."""
+def _shown_text(widget) -> str:  # type: ignore[no-untyped-def]
+    """The text a widget draws in its region (what a user sees, wrapped), one line per row."""
+    return "\n".join(strip.text.rstrip() for strip in widget.render_lines(widget.region.reset_offset))
+
+
+async def test_kv_mode_is_chosen_in_the_app_confirmed_saved_and_the_engine_restarts(scripted_app: MakeApp,
+                                                                                   glyd_home: Path) -> None:
+    """F5 lists the modes with what each costs, in an 80-column terminal with nothing clipped; picking one
+    asks first, saying what the switch costs here (the table build once, the speed); No keeps everything;
+    Yes keeps the user's config.toml lines, saves the mode there and restarts the engine with it."""
     from glyd_app.config import config_path, load_engine_settings
+    from glyd_app.screens.dialogs import Confirm
 
     config_path().parent.mkdir(parents=True)
     config_path().write_text("# mine\n[engine]\nmax_model_len = 2048\n")
     app = scripted_app()
-    async with app.run_test(size=SIZE) as pilot:
+    async with app.run_test(size=(80, 30)) as pilot:
         await _ready(pilot, app)
         await pilot.press("f5")
         await wait_for(pilot, lambda: app.screen.__class__.__name__ == "KVModeScreen")
         options = app.screen.query_one("#kv-modes")
         texts = [str(options.get_option_at_index(i).prompt) for i in range(options.option_count)]
         assert any("lossless" in t and "KV tables" in t and "slower" in t for t in texts), texts
+        now = app.screen.query_one("#kv-now")
+        assert now.region.right <= 80
+        assert " ".join(_shown_text(now).split()) == f"Now: Glyd lossless ({READY.kv_reason})"  # wrapped, whole
         await pilot.press("up", "up", "enter")  # from the current mode (off, the fixture's) to lossless
+        await wait_for(pilot, lambda: isinstance(app.screen, Confirm), what="the switch's cost, asked first")
+        question = app.screen.query_one(".title")
+        shown = " ".join(_shown_text(question).split())
+        assert question.region.right <= 80
+        assert "Switch the KV cache to lossless?" in shown and "last load took 10 s" in shown
+        assert "Build, once: this model's KV tables" in shown and "about 11x slower on this CPU" in shown
+        await pilot.press("escape")  # No: nothing changes
+        await pilot.pause(0.2)
         engines = app.session.engine_factory.engines  # type: ignore[attr-defined]
+        assert len(engines) == 1 and app.settings.kv == "off" and "kv =" not in config_path().read_text()
+        await pilot.press("f5")
+        await wait_for(pilot, lambda: app.screen.__class__.__name__ == "KVModeScreen")
+        await pilot.press("up", "up", "enter")
+        await wait_for(pilot, lambda: isinstance(app.screen, Confirm))
+        await pilot.press("y")
         await wait_for(pilot, lambda: len(engines) == 2 and app.session.engine_state == "ready")
         assert engines[-1].started[-1][1].kv == "lossless" and app.settings.kv == "lossless"
     text = config_path().read_text()

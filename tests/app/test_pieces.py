@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import numpy as np
 import pytest
 
 from glyd_app.screens.settings import parse_settings
@@ -78,3 +81,36 @@ def test_numbers_in_the_stats_bar() -> None:
                  "cpu (set GLYD_KV=lossless to hold ~1.4x the tokens anyway)")
     assert mode_line(auto).plain.startswith("KV mode vLLM's own cache: the lossless cache is not measured as fast")
     assert len(mode_line(auto).plain) < 120
+
+
+def test_a_kv_switch_says_what_it_costs_here(glyd_home: Path) -> None:
+    """The build line follows the tables this machine holds (read from their file, no torch); the speed line
+    the device; the room line the cache in force."""
+    from safetensors.numpy import save_file
+
+    from glyd_app.screens.kv_mode import Here, switch_cost
+    from glyd_engine.models import model_fingerprint
+    from glyd_engine.models.tables_here import last_build_seconds, model_tables_seconds, tables_file
+
+    model = glyd_home / "m"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    save_file({"w": np.zeros(4, np.float32)}, str(model / "model.safetensors"))
+    assert model_tables_seconds(model) is None and last_build_seconds() is None
+    cpu = Here("cpu", "off", 10_000, 9.6, None, None)
+    text = switch_cost("lossless", cpu)
+    assert "Build, once" in text and "1.5 to 5 min" in text and "11x slower on this CPU" in text
+    assert "about 14,200 tokens instead of 10,000" in text and "last load took 10 s" in text
+    assert all(len(line) < 200 for line in text.splitlines())
+
+    path = tables_file(model_fingerprint(model))
+    path.parent.mkdir(parents=True)
+    save_file({"floor": np.zeros(1, np.uint8)}, str(path), metadata={"build_seconds": "165.0"})
+    assert model_tables_seconds(model) == 165.0 and last_build_seconds() == 165.0
+    built = switch_cost("exact", Here("cpu", "off", 0, None, model_tables_seconds(model), 165.0))
+    assert "Build: none, this model's KV tables are built (took 2.8 min)" in built and "Room" not in built
+    other = switch_cost("lossless", Here("cpu", "off", 0, None, None, 165.0))
+    assert "the last build here took 2.8 min" in other
+    back = switch_cost("off", Here("cuda", "lossless", 14_200, 30.0, None, None))
+    assert "Build: none" in back and "full speed" in back and "about 10,000 tokens instead of 14,200" in back
+    assert "CUDA kernels" in switch_cost("lossless", Here("cuda", "off", 0, None, None, None))

@@ -40,7 +40,8 @@ def served(demo_model_dir: Path, packed_demo_dir: Path, tmp_path_factory: pytest
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "GLYD_KV"))}
     env["GLYD_HOME"] = str(TEST_HOME)
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "glyd_engine.cli", "serve", "demo", "--port", str(port)],
+        proc = subprocess.Popen([sys.executable, "-m", "glyd_engine.cli", "serve", "demo", "--port", str(port),
+                                 "--kv", "auto"],
                                 stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         # the Glyd checkpoint in vLLM's default (compiled) mode, while the server compiles beside it
@@ -72,8 +73,9 @@ def served(demo_model_dir: Path, packed_demo_dir: Path, tmp_path_factory: pytest
 
 
 def test_glyd_serve_demo_answers_a_streamed_chat_with_its_defaults(served: dict[str, Any]) -> None:
-    """`glyd serve demo` and nothing else: vLLM's CLI runs on the CPU build, its KV cache fits the machine,
-    the model is compiled (vLLM's default), it uses every core here, and a real client streams an answer."""
+    """`glyd serve demo` (Glyd's --kv after the model): vLLM's CLI runs on the CPU build, its KV cache fits the
+    machine, the API names the model `demo`, the model is compiled (vLLM's default), it uses every core here,
+    and a real client streams an answer."""
     stream = served["client"].chat.completions.create(
         model=served["model"], stream=True, max_tokens=24,
         messages=[{"role": "user", "content": "What is the capital of France?"}])
@@ -81,6 +83,7 @@ def test_glyd_serve_demo_answers_a_streamed_chat_with_its_defaults(served: dict[
     text = "".join(c.choices[0].delta.content or "" for c in chunks)
     assert len(chunks) > 3 and len(text.split()) >= 3, text
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    assert served["model"] == "demo"  # the name given, not the cache path vLLM loads from
     log = served["log"].read_text(errors="replace")
     assert "--host 127.0.0.1" in log and "--kv-cache-memory-bytes" in log
     assert "enforce_eager=False" in log and "DYNAMO_TRACE_ONCE" in log
