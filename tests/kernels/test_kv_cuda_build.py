@@ -34,6 +34,23 @@ def test_kv_kernels_compile_without_spills(arch: str, code_bits: int, pipeline: 
     assert "warning" not in log.lower(), log
 
 
+def test_the_kv_build_switches_are_the_launchers_and_give_correct_results() -> None:
+    """Every default a KV source sets (#ifndef X / #define X) is a switch `kv_cuda.SWITCHES` names, each a build that
+    gives correct results (bench/gpu.py --variants times them): no benchmark-only switch in the product kernel."""
+    import re
+
+    from glyd_engine.format.kv_page import KVPageLayout
+    from kernels import kv_cuda
+
+    text = "".join(p.read_text() for p in nvrtc.SOURCES.glob("kv_*"))
+    defaults = set(re.findall(r"#ifndef (\w+)\n(?://.*\n)*#define \1\b", text))
+    shipped = kv_cuda.defines(KVPageLayout(64, 16, 36, 4), 3)
+    assert defaults <= {*kv_cuda.SWITCHES, "CODE_BITS"}, defaults - set(kv_cuda.SWITCHES)
+    assert set(kv_cuda.SWITCHES) <= defaults | set(shipped)
+    with pytest.raises(ValueError, match="no build switch SKIP_ESCAPES"):
+        kv_cuda.defines(KVPageLayout(64, 16, 36, 4), 3, (("SKIP_ESCAPES", 3),))
+
+
 def test_a_build_error_names_the_source_and_the_compiler_message() -> None:
     with pytest.raises(nvrtc.KernelBuildError, match="kv_pages.cu.*sm_90"):
         nvrtc.compile_cubin("kv_pages.cu", "sm_90", {"HEAD": 96, "GQ": 4, "RESERVE": 68, "TPP": 1, "WARPS": 4})
