@@ -25,6 +25,10 @@
 #include "fragment_code.cuh"
 #include "split_sum.cuh"
 
+#if !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#error "matmul_wgmma.cu needs Hopper's sm_90a target (warpgroup MMA); other GPUs run matmul_wide.cu (matmul_cuda.has_wgmma)"
+#endif
+
 #ifndef MT
 #define MT 8
 #endif
