@@ -212,7 +212,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batches", default="1,8,32,64,128")
     ap.add_argument("--contexts", default="1024,8192,32768")
     ap.add_argument("--codes", default="3,4", help="page codes to time (bits)")
-    ap.add_argument("--variants", default="", help="extra builds timed per row, e.g. MIN_BLOCKS=3;WARPS=8")
+    ap.add_argument("--variants", default="", help="extra builds timed per row, e.g. MIN_BLOCKS=3;WARPS=8 "
+                    "(kernels.kv_cuda.SWITCHES)")
     ap.add_argument("--splits", default="", help="also time our kernel with the context split forced to each of "
                     "these counts, e.g. 1,2,3 (columns sN: ratio to vLLM)")
     ap.add_argument("--kv-gib", type=float, default=100.0, help="KV memory of the throughput model (every cache)")
@@ -227,6 +228,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      for part in args.variants.split(";") if part]
     args.splits = [int(x) for x in args.splits.split(",") if x]
     args.graph_batches = [int(x) for x in args.graph_batches.split(",") if x]
+    if bad := sorted({k for var in args.variants for k, _ in var} - set(kv_cuda.SWITCHES)):
+        ap.error(f"--variants: no build switch {', '.join(bad)} (the switches: {', '.join(kv_cuda.SWITCHES)})")
     if any(n < 1 for n in args.splits):
         ap.error("--splits takes counts of 1 or more")
     return args

@@ -23,10 +23,16 @@ SMS = 132  # multiprocessors of an H200, where the device does not say
 MAX_SPLITS = 64
 SPLIT_COST_TILES = 6  # a split's fixed cost (set-up, partial results, merge) in tiles a warp, fitted on the H200
 KERNELS = ("kv_decode_attention", "kv_merge", "kv_read_tiles", "kv_write", "kv_sizes")
+# the build switches a variant may set (kernels/cuda/kv_attention.cuh, kv_write.cuh): other builds that give correct
+# results, timed by bench/gpu.py --variants
+SWITCHES = ("WARPS", "RING", "MIN_BLOCKS", "BULK", "PATCH", "P_SPLIT", "WMIN_BLOCKS")
 
 
 def defines(layout: KVPageLayout, group: int, variant: tuple[tuple[str, int], ...] = ()) -> dict[str, int]:
-    """Compile-time constants of a build; `variant` overrides tuning ones (MIN_BLOCKS, WARPS) for benchmarks."""
+    """Compile-time constants of a build; `variant` overrides SWITCHES (MIN_BLOCKS, WARPS, ...) for benchmarks."""
+    unknown = [k for k, _ in variant if k not in SWITCHES]
+    if unknown:
+        raise ValueError(f"the KV kernels have no build switch {', '.join(unknown)} (they have {', '.join(SWITCHES)})")
     return {"HEAD": layout.head_size, "CODE_BITS": layout.code_bits, "GQ": group, "RESERVE": layout.reserve,
             "TPP": layout.tiles, "WARPS": WARPS, "RING": RING, "MIN_BLOCKS": MIN_BLOCKS, **dict(variant)}
 

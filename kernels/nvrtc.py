@@ -5,7 +5,7 @@ torch), so a user never needs nvcc. A compiled cubin is kept in the cache direct
 hash, the compile-time constants, the GPU architecture and NVRTC's version, and rebuilt when any of them
 changes; it is written atomically, so two processes starting at once at worst both compile. Kernels launch on
 torch's current stream, so CUDA graphs capture them. `compile_cubin` needs no GPU (CI compiles every source
-for sm_80 and sm_90 on a CPU machine).
+for sm_80, sm_86, sm_89, sm_90/sm_90a and sm_120 on a CPU machine).
 """
 
 from __future__ import annotations

@@ -23,8 +23,11 @@
 // blocks at 512-column boundaries (`colptr`), their sums added in split order (split_sum.cuh).
 
 #include "fragment_code.cuh"
-#include "async_copy.cuh"
 #include "split_sum.cuh"
+
+#if !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#error "matmul_wgmma.cu needs Hopper's sm_90a target (warpgroup MMA); other GPUs run matmul_wide.cu (matmul_cuda.has_wgmma)"
+#endif
 
 #ifndef MT
 #define MT 8
@@ -146,7 +149,6 @@ __device__ __forceinline__ unsigned long long x_desc(u32 saddr) {
   return (unsigned long long)((saddr & 0x3FFFFu) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
 }
 __device__ __forceinline__ void sts32(u32 addr, u32 v) { asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(v)); }
-__device__ __forceinline__ void fence_async_proxy() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
 extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) glyd_mm_wgmma(
     u16* __restrict__ y, const uint4* __restrict__ w, const u16* __restrict__ x, const u16* __restrict__ bias,
@@ -259,7 +261,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) glyd_mm_wgmma(
     if (p >= STAGES) mbar_wait(empty0 + 8 * ps, ((p / STAGES) - 1) & 1);  // chunk p - STAGES is released
     load_w(ps, bar);
     put(ps);
-    fence_async_proxy();
+    fence_proxy_async();
     mbar_arrive(bar);
     if (p + 1 < nc) fetch();
   };

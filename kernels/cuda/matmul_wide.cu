@@ -18,7 +18,6 @@
 // 2 MT sums it holds for that row. The walk costs a compare a row a chunk when a chunk holds none of the row's escapes.
 
 #include "fragment_code.cuh"
-#include "async_copy.cuh"
 #include "split_sum.cuh"
 
 #ifndef MT
@@ -44,7 +43,6 @@
 static_assert(MT == 1 || MT == 2 || MT == 4 || MT == 8 || MT == 16, "1-8, 9-16, 17-32, 33-64 or 65-128 rows of x");
 static_assert(STAGES >= 2 && STAGES <= 6, "2-6 ring stages");
 
-__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2)); }
 // byte offset of x[m][col] in a stage (col < 64): unit col / 8 of row m, flipped by m's parity so that the eight
 // lanes of a 16-byte load phase (rows g, g + 1; units 2t (+1)) hit eight different bank groups
 __device__ __forceinline__ int xoff(int m, int unit) { return m * 128 + ((unit ^ (m & 1)) << 4); }
@@ -173,7 +171,7 @@ extern "C" __global__ void __launch_bounds__(WT * 32, MIN_BLOCKS) glyd_mm_wide(
   }
 #pragma unroll 1
   for (int i = 0; i < nc; ++i) {
-    cp_wait();
+    cp_wait<STAGES - 2>();
     __syncthreads();  // chunk i has landed for every warp; every warp is done with chunk i - 1's stage
     if (i + STAGES - 1 < nc) load(c0 + i + STAGES - 1, (i + STAGES - 1) % STAGES);
     cp_commit();
