@@ -29,8 +29,8 @@ import torch  # noqa: E402
 
 from glyd_engine.format import fragment_weight as fw  # noqa: E402
 from glyd_engine.format import resident  # noqa: E402
-from kernels import matmul_cuda as mc  # noqa: E402
-from kernels import resident_linear as rl  # noqa: E402
+from glyd_kernels import matmul_cuda as mc  # noqa: E402
+from glyd_kernels import resident_linear as rl  # noqa: E402
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 24576), "down": (12288, 4096)}  # K -> N
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128)

@@ -13,7 +13,7 @@ import math
 import torch
 
 from glyd_engine.format.kv_page import TILE, KVPageLayout, OverflowStore
-from kernels import kv_overflow, nvrtc
+from glyd_kernels import kv_overflow, nvrtc
 
 SOURCE = "kv_pages.cu"
 WARPS = 4  # warps a decode block, each with its own share of the block's tiles

@@ -36,7 +36,7 @@ class KVLayer:
         if self.codec is not None:
             self.codec.write(self.pages, self.overflow, key, value, slots)
             return
-        from kernels import kv_cuda
+        from glyd_kernels import kv_cuda
 
         self.growth_rounds += kv_cuda.write(self.pages, self.layout, self.tops, self.overflow, key, value, slots)
 
@@ -44,7 +44,7 @@ class KVLayer:
         """Room for the next write of `tokens` tokens taken before the step (0: none), so that the write runs no
         host code: the CUDA-graph path (kernels/kv_overflow.py). The reference needs none."""
         if self.codec is None:
-            from kernels import kv_overflow
+            from glyd_kernels import kv_overflow
 
             kv_overflow.device_runs(self.overflow, self.layout.head_size).reserve(tokens)
 
@@ -61,7 +61,7 @@ class KVLayer:
                 -1, self.pages.shape[1], self.layout.tile_bytes)
             return decode_tiles(view[tiles.long().cpu()], tiles.long().cpu(), self.codec.tops, self.layout,
                                 self.overflow)
-        from kernels import kv_cuda
+        from glyd_kernels import kv_cuda
 
         return kv_cuda.read_tiles(self.pages, self.layout, self.tops, tiles, self.overflow)
 
@@ -87,7 +87,7 @@ class KVLayer:
     def _decode(self, query: torch.Tensor, out: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                 max_seq_len: int, scale: float) -> None:
         if self.codec is None:
-            from kernels import kv_cuda
+            from glyd_kernels import kv_cuda
 
             kv_cuda.decode_attention(query, self.pages, self.layout, self.tops, block_table, seq_lens, max_seq_len,
                                      scale, self.overflow, out=out)

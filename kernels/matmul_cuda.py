@@ -20,7 +20,7 @@ import torch
 
 from glyd_engine.format import fragment_weight as fw
 from glyd_engine.format.fragment_weight import CHUNK_COLS, TILE_ROWS, FragmentWeight
-from kernels import nvrtc
+from glyd_kernels import nvrtc
 
 SOURCE = "matmul.cu"
 KERNELS = ("glyd_mm", "glyd_mm_decode", "glyd_mm_patch", "glyd_mm_gather")

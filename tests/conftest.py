@@ -2,12 +2,34 @@
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
-TEST_HOME = Path(__file__).resolve().parent.parent / ".cache" / "test-home"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class _KernelsFromThisTree(importlib.abc.MetaPathFinder):
+    """The folder kernels/ installs as the package `glyd_kernels` (pyproject's package-dir): an installed copy (a wheel,
+    or an editable install of this tree) finds it. A run from the source tree with PYTHONPATH alone, or under another
+    checkout's editable install, would find none or that checkout's: this finder, first on the path, maps the name to
+    this tree's folder for the test process (no second copy of the code). Engine child processes import what is
+    installed: `make test` (pip install -e .) maps it there too."""
+
+    def find_spec(self, fullname, path=None, target=None):  # type: ignore[no-untyped-def]
+        if fullname != "glyd_kernels":
+            return None
+        return importlib.util.spec_from_file_location(
+            fullname, ROOT / "kernels" / "__init__.py", submodule_search_locations=[str(ROOT / "kernels")])
+
+
+sys.meta_path.insert(0, _KernelsFromThisTree())
+
+TEST_HOME = ROOT / ".cache" / "test-home"
 # Every test (and every engine process a test starts) keeps its files here, never in the user's dirs;
 # the demo model and its KV tables built once are reused by later runs.
 os.environ["GLYD_HOME"] = str(TEST_HOME)

@@ -294,7 +294,7 @@ def test_page_view_of_vllm_layouts():
     """The backend's view of vLLM's per-layer cache: dense, padded per block, or with other layers' pages between
     blocks (a block-outermost layout), each page one run of bytes; a view that splits a page is refused."""
     from glyd_engine.vllm_plugin.state import page_view
-    from kernels.kv_layer import KVLayer
+    from glyd_kernels.kv_layer import KVLayer
 
     lay = KVPageLayout(64, 16, page_reserve(64, 20, 3), 3)
     c = lay.token_bytes // 2  # bf16 elements a token

@@ -3,7 +3,7 @@
 The pages are the CPU backend's (same spec, same bytes; `backend_base`). Write: `do_kv_cache_update` runs the CUDA
 page writer. Read: `forward` runs decode attention on compressed pages for the batch's single decode tokens (the
 builder has vLLM put them first) and, for prefill runs and chunks, decodes their tiles to bf16 for SDPA
-(`kernels.kv_layer.KVLayer`). Decode batches replay in full CUDA graphs: the writer takes overflow runs on the
+(`glyd_kernels.kv_layer.KVLayer`). Decode batches replay in full CUDA graphs: the writer takes overflow runs on the
 device, the builder reserves each step's room in the overflow arena before the replay (the host's bound,
 kernels/kv_overflow.py), the kernels read the arena's address from device memory, and a batch that a graph may
 replay sizes its context split for the longest context (each sequence splits its own tiles). Mixed batches run
@@ -238,7 +238,7 @@ class GlydGPUAttentionImpl(AttentionImpl):
             return st
         from vllm.model_executor.models.utils import extract_layer_index
 
-        from kernels.kv_layer import KVLayer
+        from glyd_kernels.kv_layer import KVLayer
 
         nb, _, block_size, _ = kv_cache.shape
         index = extract_layer_index(layer.layer_name)

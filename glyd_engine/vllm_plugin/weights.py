@@ -76,7 +76,7 @@ def resident_linear(x: torch.Tensor, sm: torch.Tensor, offs: torch.Tensor, esc_p
     `fused` is off: the exact weights mode) the Triton decode + vLLM's GEMM."""
     r = resident.ResidentWeight((rows, cols), sm, offs, base, esc_pos, esc_bits)
     if x.is_cuda and cols % 2 == 0:
-        from kernels import resident_linear as kernel
+        from glyd_kernels import resident_linear as kernel
 
         flat = x.reshape(-1, cols)
         if fused and flat.shape[0] <= kernel.FUSED_ROWS and plan_rowptr.numel() == rows + 1:
@@ -101,7 +101,7 @@ def resident_embedding(ids: torch.Tensor, sm: torch.Tensor, offs: torch.Tensor, 
     through its fake implementation. CUDA: decode all, then gather (no host sync, CUDA-graph safe)."""
     r = resident.ResidentWeight((rows, cols), sm, offs, base, esc_pos, esc_bits)
     if ids.is_cuda and cols % 2 == 0:
-        from kernels.resident_linear import resident_decode
+        from glyd_kernels.resident_linear import resident_decode
 
         return torch.nn.functional.embedding(ids, resident_decode(r))
     return resident.decode_rows(r, ids).reshape(*ids.shape, cols)
@@ -122,7 +122,7 @@ def fragment_linear(x: torch.Tensor, data: torch.Tensor, rowptr: torch.Tensor, e
     the tests run it)."""
     f = fw.FragmentWeight((rows, cols), data, lo, rowptr, esc, colptr)
     if x.is_cuda:
-        from kernels import matmul_cuda as kernel
+        from glyd_kernels import matmul_cuda as kernel
 
         flat = x.reshape(-1, cols)
         if fused and flat.shape[0] <= kernel.fused_rows(rows, cols, flat.device.index or 0):
@@ -144,7 +144,7 @@ def fragment_embedding(ids: torch.Tensor, data: torch.Tensor, rowptr: torch.Tens
     rows (no host sync, CUDA-graph safe). CPU: only the 16-row tiles the ids fall in."""
     f = fw.FragmentWeight((rows, cols), data, lo, rowptr, esc)
     if ids.is_cuda:
-        from kernels import matmul_cuda as kernel
+        from glyd_kernels import matmul_cuda as kernel
 
         return kernel.gather_rows(f, ids).reshape(*ids.shape, cols)
     return fw.decode_rows(f, ids).reshape(*ids.shape, cols)
@@ -251,7 +251,7 @@ def _remove_part_params(layer: torch.nn.Module) -> None:
 def _cuda_matmul_builds(device: torch.device) -> bool:
     """Whether the CUDA matmul compiles and loads here (a failure leaves weights to the Triton kernels, logged)."""
     try:
-        from kernels import matmul_cuda
+        from glyd_kernels import matmul_cuda
 
         matmul_cuda.kernels(1, matmul_cuda.default_config(1), device)
         return True
@@ -281,7 +281,7 @@ def _install(layer: torch.nn.Module, r: resident.ResidentWeight, device: torch.d
     layer.glyd_fused = weights_mode() == "lossless"  # exact: decode + the bf16 model's GEMM at every row count
     if layer.glyd_layout == "fragment":
         if device.type == "cuda":
-            from kernels import matmul_cuda
+            from glyd_kernels import matmul_cuda
 
             matmul_cuda.preload(r.shape[0], device, r.shape[1])
         f = fw.from_resident(r)
@@ -293,7 +293,7 @@ def _install(layer: torch.nn.Module, r: resident.ResidentWeight, device: torch.d
         layer.register_buffer(name, t, persistent=False)
     plan = (torch.empty(0, dtype=torch.int32, device=device),) * 2 + (torch.empty(0, device=device),)
     if device.type == "cuda" and r.shape[1] % 2 == 0:  # the fused kernel's escape plan, made once
-        from kernels.resident_linear import escape_plan
+        from glyd_kernels.resident_linear import escape_plan
 
         p = escape_plan(r)
         plan = (p.rowptr, p.col, p.corr)

@@ -53,7 +53,7 @@ def write_both(codec: kp.KVPageCodec, cache_cpu: torch.Tensor, cache_gpu: torch.
                tops_gpu, k, v, slots, runs, strided: bool = False) -> None:
     """The same runs through the reference and the CUDA writer; `strided`: the CUDA writer reads K and V as views
     into wider rows (as vLLM hands them, sliced out of the qkv projection), one of them misaligned."""
-    from kernels import kv_cuda
+    from glyd_kernels import kv_cuda
 
     i = 0
     for r in runs:
@@ -71,7 +71,7 @@ def write_both(codec: kp.KVPageCodec, cache_cpu: torch.Tensor, cache_gpu: torch.
     (128, 8, 16, 68, "model"), (64, 3, 32, 36, "model"), (128, 2, 16, 4, "patterns"), (64, 2, 16, 4, "patterns")])
 def test_writer_bytes_and_reader_bits_equal_the_reference(d: int, h: int, block: int, reserve: int, kind: str,
                                                          code_bits: int) -> None:
-    from kernels import kv_cuda
+    from glyd_kernels import kv_cuda
 
     g = torch.Generator().manual_seed(d + h + reserve)
     if kind == "model":
@@ -122,7 +122,7 @@ def reference_attention(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.
 @pytest.mark.parametrize("d,h,group,reserve", [(128, 8, 4, 68), (64, 3, 3, 36), (128, 2, 8, 12), (64, 4, 1, 4)])
 def test_decode_attention_matches_fp32_and_repeats_its_bits(d: int, h: int, group: int, reserve: int,
                                                            code_bits: int) -> None:
-    from kernels import kv_cuda
+    from glyd_kernels import kv_cuda
 
     g = torch.Generator().manual_seed(7 * d + group)
     lens = [1, 15, 16, 17, 300, 1500, 4100]
@@ -164,7 +164,7 @@ def test_decode_attention_where_escapes_carry_the_output(code_bits: int, reserve
     """Escapes that decide the result: small in-window values, 1% large outliers and 0.5% zeros (patched into the
     MMA operands), and in some tiles subnormals (not exact when scaled, so those tiles take the corrections); a
     wrong patch or correction moves the output far past bf16 tolerance."""
-    from kernels import kv_cuda
+    from glyd_kernels import kv_cuda
 
     d, h, group, block = 128, 2, 4, 16
     g = torch.Generator().manual_seed(11 + code_bits)
@@ -215,7 +215,7 @@ def decode_steps(seqs: int, steps: int, block: int, blocks: torch.Tensor) -> lis
 def test_decode_steps_wait_for_the_device_only_when_the_arena_fills() -> None:
     """Model-like values into a short list (most tiles overflow): the first write sizes the arena, and later steps
     wait only the few times the live runs outgrow it (compaction into a larger one), never step by step."""
-    from kernels import kv_cuda, kv_overflow
+    from glyd_kernels import kv_cuda, kv_overflow
 
     d, h, block, seqs, steps = 128, 8, 16, 64, 48
     g = torch.Generator().manual_seed(3)
@@ -237,7 +237,7 @@ def test_decode_steps_wait_for_the_device_only_when_the_arena_fills() -> None:
 
 def check_tokens(cache, lay, tops, ovf, slots, k, v) -> None:
     """Every token at `slots` reads back as k, v [N, H, D], bit for bit."""
-    from kernels import kv_cuda
+    from glyd_kernels import kv_cuda
 
     tiles = torch.unique(slots // kp.TILE)
     rk, rv = kv_cuda.read_tiles(cache, lay, tops, tiles.to(DEV), ovf)
@@ -252,7 +252,7 @@ def test_overflow_runs_taken_on_the_device_lose_nothing(code_bits: int) -> None:
     runs again for those tiles, then decode steps (a token for each of 24 sequences) take and double runs on the
     device while the arena is compacted and grown as the host's bound requires. The bound stays above the device's
     top after every write; pages equal the reference writer's; every value reads back bit for bit."""
-    from kernels import kv_cuda, kv_overflow
+    from glyd_kernels import kv_cuda, kv_overflow
 
     d, h, block, reserve = 64, 2, 16, 4
     g = torch.Generator().manual_seed(5 + code_bits)
@@ -295,8 +295,8 @@ def test_decode_steps_replayed_from_a_cuda_graph_equal_eager_steps() -> None:
     replay, values that mostly escape into overflow runs, and the arena compacted into a new one between replays
     (forced twice, and as the runs grow). Pages and outputs equal a layer stepped eagerly with the same split count,
     bit for bit; outputs are within bf16 tolerance of fp32; every value reads back; no write found no room."""
-    from kernels import kv_overflow
-    from kernels.kv_layer import KVLayer
+    from glyd_kernels import kv_overflow
+    from glyd_kernels.kv_layer import KVLayer
 
     d, h, group, block, seqs, steps, split_len = 128, 2, 4, 16, 32, 40, 4096
     g = torch.Generator().manual_seed(13)
@@ -377,7 +377,7 @@ def test_a_store_ignores_the_bank_snapshot_taken_before_it_had_its_slot() -> Non
     its bound stays above its real top."""
     import gc
 
-    from kernels import kv_overflow
+    from glyd_kernels import kv_overflow
 
     d, h = 64, 2
     dead = kp.OverflowStore(4, h, device=DEV)
@@ -403,7 +403,7 @@ def test_a_reserved_write_counts_after_a_bank_copy_taken_before_it_runs() -> Non
     """The builder reserves a step's write before the step; another store may copy the bank back before that write
     runs. The copy must count the reserved write as coming after it: the store's bound stays above its top once the
     write has run and the copy has landed."""
-    from kernels import kv_cuda, kv_overflow
+    from glyd_kernels import kv_cuda, kv_overflow
 
     d, h, block, n = 64, 2, 16, 64
     g = torch.Generator().manual_seed(17)
@@ -438,7 +438,7 @@ def test_a_reserved_write_counts_after_a_bank_copy_taken_before_it_runs() -> Non
 def test_a_reservation_stays_counted_when_the_host_waits_for_the_top() -> None:
     """A wait replaces the bound with the device's exact top; a write reserved before it and not yet launched runs
     after that top, so it stays counted: the bound covers the top once it has run."""
-    from kernels import kv_cuda, kv_overflow
+    from glyd_kernels import kv_cuda, kv_overflow
 
     d, h, block, n = 64, 2, 16, 64
     g = torch.Generator().manual_seed(23)
@@ -462,7 +462,7 @@ def test_a_reservation_stays_counted_when_the_host_waits_for_the_top() -> None:
 def test_an_arena_that_cannot_grow_leaves_no_misses_behind(monkeypatch: pytest.MonkeyPatch) -> None:
     """When the arena cannot grow, the misses of the write that asked are that failure's: the next snapshot must
     not report them as a wrong bound (ArenaFullError)."""
-    from kernels import kv_overflow
+    from glyd_kernels import kv_overflow
 
     ovf = kp.OverflowStore(4, 2, device=DEV)
     runs = kv_overflow.device_runs(ovf, 64)

@@ -20,7 +20,7 @@ DEV = "cuda"
 
 
 def _mm():
-    from kernels import matmul_cuda
+    from glyd_kernels import matmul_cuda
 
     return matmul_cuda
 

@@ -15,7 +15,7 @@ import torch
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from glyd_engine.format import resident  # noqa: E402
-from kernels import resident_linear as rl  # noqa: E402
+from glyd_kernels import resident_linear as rl  # noqa: E402
 from tests.test_bf16_planes import all_patterns  # noqa: E402
 
 
