@@ -25,10 +25,8 @@ import datetime
 import json
 import math
 import sys
-import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,13 +36,22 @@ sys.path.insert(0, str(ROOT / ".baseline"))
 import torch  # noqa: E402
 
 from bench import gpu_graph, gpu_model  # noqa: E402
+from bench.gpu_pools import (  # noqa: E402
+    CONTEXT,
+    HQ,
+    SCALE,
+    B,
+    Code,
+    D,
+    H,
+    Pools,
+    Source,
+    bench_fn,
+    fill_pools,
+)
 from glyd_engine.format import kv_page as kp  # noqa: E402
-from kernels import kv_cuda  # noqa: E402
+from glyd_kernels import kv_cuda  # noqa: E402
 
-HQ, H, D, B = 32, 8, 128, 16
-SAMPLES = ROOT / "bench" / "kv_samples" / "smollm2_kv.safetensors"
-MAX_BITS = 11.3  # the page code's budget at D = 128, everything included
-SCALE = D ** -0.5
 LOG: dict[str, object] = {}
 
 
@@ -52,43 +59,6 @@ def log(key: str, value: object, out: Path | None) -> None:
     LOG[key] = value
     if out is not None:
         (out / "gpu_bench.json").write_text(json.dumps(LOG, indent=1, default=str))
-
-
-class Source:
-    """Resamples recorded K/V rows into [N, 8, 128] bf16 with the recorded per-channel statistics."""
-
-    def __init__(self, layer: int, device: str, seed: int = 0) -> None:
-        from safetensors.torch import load_file
-
-        rec = load_file(str(SAMPLES))
-        tiled = []
-        for kv in ("k", "v"):
-            x = rec[f"{kv}{layer}"]  # [T, 3, 64]
-            heads = [torch.cat([x[:, h % 3], x[:, (h + 1) % 3]], dim=-1) for h in range(H)]
-            tiled.append(torch.stack(heads, dim=1).to(device))  # [T, 8, 128]
-        self.k, self.v = tiled
-        self.n = self.k.shape[0]
-        self.gen = torch.Generator(device=device).manual_seed(seed)
-        self.device = device
-
-    def draw(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        idx = torch.randint(0, self.n, (n, H), generator=self.gen, device=self.device)
-        hh = torch.arange(H, device=self.device).view(1, H)
-        return self.k[idx, hh], self.v[idx, hh]
-
-    def tops(self, code_bits: int) -> torch.Tensor:
-        counts = []
-        for x in (self.k, self.v):
-            e = ((x.view(torch.int16).to(torch.int32) >> 7) & 0xFF).to(torch.int64).cpu()
-            counts.append(torch.nn.functional.one_hot(e, 256).sum(0))
-        return kp.best_windows(torch.stack(counts), code_bits)  # [2, H, D]
-
-
-def bench_fn(fn: Callable[[], object]) -> float:
-    """Median ms of fn replayed from a CUDA graph."""
-    import triton.testing as tt
-
-    return float(tt.do_bench_cudagraph(fn, rep=60, return_mode="median"))
 
 
 def copy_bandwidth(dev: str) -> float:
@@ -101,66 +71,13 @@ def copy_bandwidth(dev: str) -> float:
     return 2 * n / ms / 1e9  # TB/s
 
 
-def reserve_for(src: Source, tops: torch.Tensor, code_bits: int) -> tuple[int, dict[str, float]]:
-    """The reserve (entries a tile): the 3-bit code's as large as MAX_BITS allows (a tile past its list costs the
-    kernel dependent loads), the 4-bit code's the calibration rule's (mean + one standard deviation)."""
-    w = kp.window(code_bits)
-    k, v = src.draw(4096 * 16)
-    low = tops.to(k.device).to(torch.int32) - (w - 1)
-    esc = []
-    for kv, x in enumerate((k, v)):
-        e = (x.view(torch.int16).to(torch.int32) >> 7) & 0xFF
-        esc.append(((e < low[kv]) | (e >= low[kv] + w)).view(-1, 16, H, D).sum((1, 3)).float())  # [tiles, H]
-    per_tile = (esc[0] + esc[1]).flatten()
-    mean = float(per_tile.mean())
-    if code_bits == 3:
-        reserve = max(r for r in range(4, 400, 8) if bits_per_value(kp.KVPageLayout(D, B, r, 3)) <= MAX_BITS)
-    else:
-        reserve = kp.valid_reserve(math.ceil(mean + math.sqrt(mean)))
-    stats = {"k_escape_rate": float(esc[0].mean() / (16 * D)), "v_escape_rate": float(esc[1].mean() / (16 * D)),
-             "entries_a_tile_mean": mean, "entries_a_tile_p90": float(per_tile.quantile(0.9)),
-             "entries_a_tile_max": float(per_tile.max())}
-    return reserve, stats
-
-
-def bits_per_value(lay: kp.KVPageLayout) -> float:
-    """Pages plus the overflow run pointers (4 bytes a tile and K/V)."""
-    return 8 * lay.token_bytes / (2 * D) + 64 / (B * 2 * D)
-
-
-class Code:
-    """One page code (3 or 4 bits) over the shared source data: its layout, its pool written by the CUDA writer."""
-
-    def __init__(self, code_bits: int, src: Source, nblocks: int, dev: str) -> None:
-        self.bits = code_bits
-        tops = src.tops(code_bits)
-        reserve, stats = reserve_for(src, tops, code_bits)
-        self.lay = kp.KVPageLayout(D, B, reserve, code_bits)
-        self.tops = tops.to(dev)
-        self.info = {"reserve": reserve, "token_bytes": self.lay.token_bytes, "bits_per_value": bits_per_value(
-            self.lay), "capacity_vs_bf16": 4 * D / (self.lay.token_bytes + 8 / B), **stats}
-        t0 = time.perf_counter()
-        kv_cuda.kernels(self.lay, HQ // H, torch.device(dev))
-        self.info["first_compile_s"] = time.perf_counter() - t0
-        self.cache = torch.empty(nblocks, H, self.lay.page_bytes, dtype=torch.uint8, device=dev)
-        self.ovf = kp.OverflowStore(nblocks, H, device=dev)
-        self.write_rounds = 0
-
-    def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        self.write_rounds += kv_cuda.write(self.cache, self.lay, self.tops, self.ovf, k, v, slots)
-
-    def pool_info(self, tokens: int) -> dict[str, object]:
-        return {"overflow_runs": self.ovf.runs_in_use, "overflow_bits_per_value": 8 * self.ovf.bytes_held / (
-            tokens * H * 2 * D), "write_rounds": self.write_rounds}
-
-
 def write_throughput(code: Code, src: Source, dev: str) -> dict[str, float]:
     """A fresh 32k-token prefill run (the whole call, which waits for the device once to check the arena's room, and
     the kernel alone), and one decode token for each of 128 sequences (the call, with no wait in the common case;
     the kernel alone with a block a token, as the call launches it, and with a block for 16 tokens)."""
     import triton.testing as tt
 
-    from kernels import kv_overflow
+    from glyd_kernels import kv_overflow
 
     chunk, lay = 32768, code.lay
     k, v = src.draw(chunk)
@@ -213,7 +130,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--contexts", default="1024,8192,32768")
     ap.add_argument("--codes", default="3,4", help="page codes to time (bits)")
     ap.add_argument("--variants", default="", help="extra builds timed per row, e.g. MIN_BLOCKS=3;WARPS=8 "
-                    "(kernels.kv_cuda.SWITCHES)")
+                    "(glyd_kernels.kv_cuda.SWITCHES)")
     ap.add_argument("--splits", default="", help="also time our kernel with the context split forced to each of "
                     "these counts, e.g. 1,2,3 (columns sN: ratio to vLLM)")
     ap.add_argument("--kv-gib", type=float, default=100.0, help="KV memory of the throughput model (every cache)")
@@ -233,37 +150,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if any(n < 1 for n in args.splits):
         ap.error("--splits takes counts of 1 or more")
     return args
-
-
-# --- the pools: the same bf16 tokens in vLLM's layout and in each code's pages ---------------------------------------
-@dataclass
-class Pools:
-    k: torch.Tensor  # [blocks, B, H, D] bf16: vLLM's layout
-    v: torch.Tensor
-    codes: dict[int, Code]  # bits -> the same tokens in that code's pages
-    tokens: int
-
-    @property
-    def nblocks(self) -> int:
-        return self.k.shape[0]
-
-
-def fill_pools(src: Source, code_bits: list[int], max_tokens: int, dev: str) -> Pools:
-    """Every code's pages written by the CUDA writer from the same tokens as the bf16 pool, 32k tokens a call."""
-    nblocks = max_tokens // B
-    k_pool = torch.empty(nblocks, B, H, D, dtype=torch.bfloat16, device=dev)
-    v_pool = torch.empty_like(k_pool)
-    codes = {cb: Code(cb, src, nblocks, dev) for cb in code_bits}
-    chunk = 32768
-    for start in range(0, max_tokens, chunk):
-        k, v = src.draw(chunk)
-        k_pool.view(-1, H, D)[start : start + chunk] = k
-        v_pool.view(-1, H, D)[start : start + chunk] = v
-        slots = torch.arange(start, start + chunk, device=dev)
-        for code in codes.values():
-            code.write(k, v, slots)
-    torch.cuda.synchronize()
-    return Pools(k_pool, v_pool, codes, max_tokens)
 
 
 def check_codes(pools: Pools, src: Source, gen: torch.Generator, dev: str, out: Path | None) -> None:
@@ -462,7 +348,7 @@ def main() -> None:
 
     src = Source(15, dev)
     bf16_batch = gpu_model.batches(args.kv_gib, None, H, D)["bf16"]
-    model_tokens = 0 if args.no_model else 2 * bf16_batch * gpu_model.CONTEXT  # a page code holds < 2x the sequences
+    model_tokens = 0 if args.no_model else 2 * bf16_batch * CONTEXT  # a page code holds < 2x the sequences
     pools = fill_pools(src, args.codes, max(max(args.batches) * max(args.contexts), model_tokens), dev)
     gen = torch.Generator().manual_seed(3)  # one stream, in this order: read-back tiles, accuracy cases, grid cases
     check_codes(pools, src, gen, dev, out)

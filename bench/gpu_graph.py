@@ -14,16 +14,12 @@ writes or reservations that waited for the device.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
-from bench.gpu_model import CONTEXT, LAYERS
+from bench.gpu_pools import CONTEXT, LAYERS, Code
 from glyd_engine.format import kv_page as kp
-from kernels import kv_cuda, kv_overflow
-
-if TYPE_CHECKING:
-    from bench.gpu import Code
+from glyd_kernels import kv_cuda, kv_overflow
 
 STEPS = 30
 GRAPH_SPLIT_LEN = 32768  # a server's max_model_len: the context a captured decode graph sizes its split for

@@ -12,18 +12,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
 from bench.gpu_linear import SHAPES
+from bench.gpu_pools import CONTEXT, LAYERS, Code, Pools, bench_fn
 from glyd_engine.format.kv_page import TILE
 
-if TYPE_CHECKING:
-    from bench.gpu import Code, Pools
-
-LAYERS = 36
-CONTEXT = 8192
 LM_HEAD = (4096, 151936)  # K -> N
 ROTATE_BYTES = 320 << 20  # weights timed in turn past the L2
 
@@ -36,13 +31,6 @@ def batches(kv_gib: float, pools: Pools | None, heads: int, head_size: int) -> d
     if pools is not None:
         per_token |= {f"code{cb}": heads * (code.lay.token_bytes + 8 / TILE) for cb, code in pools.codes.items()}
     return {name: int(kv_gib * 2**30 // (b * LAYERS * CONTEXT)) for name, b in per_token.items()}
-
-
-def bench_fn(fn: Callable[[], object]) -> float:
-    """Median ms of fn replayed from a CUDA graph."""
-    import triton.testing as tt
-
-    return float(tt.do_bench_cudagraph(fn, rep=60, return_mode="median"))
 
 
 def linear_ms(rows: int, dev: str, gen: torch.Generator) -> dict[str, float]:
@@ -66,7 +54,7 @@ def write_ms(code: Code, rows: int, dev: str) -> dict[str, float]:
     the host time of a call (Python and launch, overlapped with the GPU's work in a step)."""
     import triton.testing as tt
 
-    from kernels import kv_cuda, kv_overflow
+    from glyd_kernels import kv_cuda, kv_overflow
 
     lay, h = code.lay, code.cache.shape[1]
     k = torch.randn(rows, h, lay.head_size, device=dev).to(torch.bfloat16)
