@@ -1,7 +1,9 @@
-"""The glyd-chat App: holds the chat session, routes engine events, holds the actions.
+"""The glyd-chat App: holds the chat session, hands it the engine's events, draws the engine's life, holds the
+actions.
 
-Thin on purpose: drawing is in screens/ and widgets/, the chat, the engine link and the reply in flight
-in session.py (no UI), conversations in store.py, the engine in a child process behind
+Thin on purpose: drawing is in screens/ and widgets/; the chat, its store, the engine and the reply in flight
+are the session's (session.py, no UI), the one writer of that state: the app asks it for changes and renders
+what it reports (`EngineView`), and never touches the store. The engine runs in a child process behind
 `glyd_engine.engine.EngineClient`. Blocking work (spawning or shutting down the child, installing the
 engine) runs in named thread workers; their results come back as messages.
 """
@@ -22,22 +24,13 @@ from textual.worker import Worker, WorkerState
 
 from glyd_app.commands import Command, GlydCommands
 from glyd_app.config import keymap_path, load_keymap
-from glyd_app.engine_link import EngineEvent, EngineFactory, default_factory
+from glyd_app.engine_link import EngineEvent, poster
 from glyd_app.screens.chat import ChatScreen
 from glyd_app.screens.start import StartScreen
-from glyd_app.session import ChatSession
+from glyd_app.session import ChatSession, EngineFactory, default_factory
 from glyd_app.store import Store
 from glyd_app.widgets.stats_bar import StatsBar
-from glyd_engine.engine.protocol import (
-    Delta,
-    EngineSettings,
-    Error,
-    Finished,
-    Progress,
-    Ready,
-    Stats,
-    Stopped,
-)
+from glyd_engine.engine.protocol import EngineSettings, Error, Progress, Ready
 from glyd_engine.errors import CANCELLED, CRASH, OFFLINE, OfflineError
 from glyd_engine.kv_mode import running_name
 
@@ -78,6 +71,7 @@ class GlydApp(App[None]):
     ) -> None:
         super().__init__()
         self.session = ChatSession(model, settings, engine_factory, store, chat_id, install_if_missing)
+        self.session.engine_view = self
         self.export_dir = export_dir or Path.cwd()
         self.slow_ok: set[str] = set()  # models the user said to load although they will be slow here
         self.start_screen: StartScreen | None = None
@@ -85,10 +79,6 @@ class GlydApp(App[None]):
         self.progress_clock: Clock | None = None  # tests: a MockClock for deterministic ETAs
 
     # ------------------------------------------------------------------ set-up
-
-    @property
-    def store(self) -> Store:
-        return self.session.store
 
     @property
     def settings(self) -> EngineSettings:
@@ -191,7 +181,7 @@ class GlydApp(App[None]):
         description="Starting the engine process",
     )
     def _engine_start(self, spec: str, generation: int) -> None:
-        self.session.spawn(spec, generation, self)
+        self.session.spawn(spec, generation, poster(self))
 
     def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
         """The one place worker failures land: an engine that cannot even be spawned is a failed start."""
@@ -199,7 +189,7 @@ class GlydApp(App[None]):
             return
         error = event.worker.error
         kind = OFFLINE if isinstance(error, OfflineError) else CRASH
-        self.engine_failed(Error(f"{type(error).__name__}: {error}", kind, fatal=True))
+        self.session.engine_failed(Error(f"{type(error).__name__}: {error}", kind, fatal=True))
 
     def cancel_start(self) -> None:
         if self.session.engine_state != "starting":
@@ -215,8 +205,9 @@ class GlydApp(App[None]):
                 exit_on_error=False,
             )
 
+    # ------------------------------------------------------------------ what the session reports (EngineView)
+
     def engine_failed(self, error: Error) -> None:
-        self.session.engine_failed(error)
         self._close_start_screen()
         self.stats_bar.ready = None
         self.stats_bar.stats = None
@@ -238,43 +229,34 @@ class GlydApp(App[None]):
 
         self.push_screen(EngineFailed(error.kind, error.message, error.log_path, error.fix), chosen)
 
+    def engine_progress(self, ev: Progress) -> None:
+        if self.start_screen is not None:
+            self.start_screen.show(ev)
+        pct = f" {ev.fraction * 100:.0f}%" if ev.fraction is not None else ""
+        self.stats_bar.state = f"starting {_short(self.model_spec)}: {ev.phase}{pct}"
+
+    def engine_ready(self, ev: Ready) -> None:
+        self._close_start_screen()
+        self.stats_bar.ready = ev
+        self.stats_bar.stats = None
+        self.notify(f"{ev.name} is ready ({ev.engine}, loaded in {ev.load_seconds:.0f} s)", timeout=4)
+        if ev.weights_dtype not in ("", "glyd", ev.dtype):
+            self.notify(f"{ev.name}'s weights are {ev.weights_dtype}; they run as {ev.dtype} (rounded on "
+                        "load, so not bit-exact to the file)", severity="warning", timeout=10)
+
+    def engine_error(self, error: Error) -> None:
+        self.notify(error.message, severity="error")
+
+    def engine_stopped(self) -> None:
+        self.stats_bar.state = "stopped"
+
     async def on_engine_event(self, message: EngineEvent) -> None:
-        if message.generation != self.session.generation:
-            return  # from an engine that was replaced
-        ev = message.event
-        if isinstance(ev, Progress):
-            if self.start_screen is not None:
-                self.start_screen.show(ev)
-            pct = f" {ev.fraction * 100:.0f}%" if ev.fraction is not None else ""
-            self.stats_bar.state = f"starting {_short(self.model_spec)}: {ev.phase}{pct}"
-        elif isinstance(ev, Ready):
-            self.session.engine_loaded(ev)
-            self._close_start_screen()
-            self.stats_bar.ready = ev
-            self.stats_bar.stats = None
-            self.notify(f"{ev.name} is ready ({ev.engine}, loaded in {ev.load_seconds:.0f} s)", timeout=4)
-            if ev.weights_dtype not in ("", "glyd", ev.dtype):
-                self.notify(f"{ev.name}'s weights are {ev.weights_dtype}; they run as {ev.dtype} (rounded on "
-                            "load, so not bit-exact to the file)", severity="warning", timeout=10)
-            await self.session.request_reply()
-        elif isinstance(ev, Delta | Stats | Finished):
-            await self.session.on_reply_event(ev)
-        elif isinstance(ev, Error):
-            if ev.fatal:
-                self.engine_failed(ev)
-            else:
-                self.notify(ev.message, severity="error")
-        elif isinstance(ev, Stopped):
-            exited = self.session.engine_exited()
-            if exited == "unexpected":
-                self.engine_failed(Error("The engine process exited.", CRASH, fatal=True))
-            elif exited == "stopped":
-                self.stats_bar.state = "stopped"
+        await self.session.on_event(message.event, message.generation)
 
     # ------------------------------------------------------------------ asked for by other screens
 
     def on_forget_model_dir(self, message: ForgetModelDir) -> None:
-        self.store.remove_model_dir(message.path)
+        self.session.forget_model_dir(message.path)
 
     def on_export_chat(self, message: ExportChat) -> None:
         self.export_chat(message.chat_id)
@@ -329,7 +311,7 @@ class GlydApp(App[None]):
             if spec:
                 self.switch_model(spec)
 
-        self.push_screen(ModelPicker(self.model_spec, self.store.model_dirs()), chosen)
+        self.push_screen(ModelPicker(self.model_spec, self.session.model_dirs()), chosen)
 
     def switch_model(self, spec: str) -> None:
         path = Path(spec).expanduser()
@@ -337,10 +319,7 @@ class GlydApp(App[None]):
             spec = str(path.resolve())
             if self.asked_first(spec, self.switch_model):
                 return
-            self.store.add_model_dir(spec)
-        self.session.stop_reply()
-        if self.session.chat is not None:
-            self.store.update_chat(self.session.chat.id, model=spec)
+        self.session.use_model(spec, added_dir=path.is_dir())
         self.start_engine(spec)
 
     def action_restart_engine(self) -> None:
@@ -362,7 +341,7 @@ class GlydApp(App[None]):
                 save_engine_setting("kv", mode)
             except OSError as exc:
                 self.notify(f"KV mode not saved to config.toml ({exc}); used for this run only", severity="error")
-            self.settings.kv = mode
+            self.session.use_kv_mode(mode)
             self.notify(f"KV mode {mode}: restarting the engine")
             self.start_engine(self.model_spec)
 
@@ -411,31 +390,14 @@ class GlydApp(App[None]):
         if chat is None:
             return
         if message.deleted == chat.id:
-            remaining = self.store.chats()
-            target = remaining[0] if remaining else self.store.new_chat(model=self.model_spec)
-            await self.open_chat(target.id)
+            await self.open_chat(self.session.chat_after_delete().id)
         else:
             self.chat_screen.retitle()
 
     async def action_new_chat(self) -> None:
-        if self.session.busy:
-            self.notify("A reply is streaming: Esc stops it first.", severity="warning")
-            return
-        chat = self.session.chat
-        if chat is not None and not self.store.messages(chat.id):
-            self.notify("This chat is already empty.")
-            return
-        settings = {}
-        if chat is not None:
-            settings = {
-                "system_prompt": chat.system_prompt,
-                "temperature": chat.temperature,
-                "top_p": chat.top_p,
-                "max_tokens": chat.max_tokens,
-                "seed": chat.seed,
-            }
-        new = self.store.new_chat(model=self.model_spec, **settings)
-        await self.open_chat(new.id)
+        new = self.session.new_chat()
+        if new is not None:
+            await self.open_chat(new.id)
 
     def action_chat_settings(self) -> None:
         from glyd_app.screens.settings import ChatSettingsScreen
@@ -446,20 +408,14 @@ class GlydApp(App[None]):
 
         def saved(settings: ChatSettings | None) -> None:
             if settings is not None:
-                self.store.update_chat(
-                    chat.id,
-                    system_prompt=settings.system_prompt,
-                    temperature=settings.temperature,
-                    top_p=settings.top_p,
-                    max_tokens=settings.max_tokens,
-                    seed=settings.seed,
-                )
+                self.session.save_chat_settings(chat.id, settings.system_prompt, settings.temperature,
+                                                settings.top_p, settings.max_tokens, settings.seed)
                 self.chat_screen.retitle()
                 self.notify("Chat settings saved")
 
         ready = self.session.ready_info
         defaults = ready.sampling_defaults if ready is not None else None
-        self.push_screen(ChatSettingsScreen(self.store.chat(chat.id), defaults), saved)
+        self.push_screen(ChatSettingsScreen(self.session.chat_by_id(chat.id), defaults), saved)
 
     def action_export(self) -> None:
         if self.session.chat is not None:

@@ -3,6 +3,8 @@
 Progress and non-final stats events replace their own earlier, still-queued copies (`can_replace`),
 so a fast stream of updates costs one redraw per frame rather than one per event. The engine itself
 (torch, vLLM) never loads in this process: `EngineClient` spawns the child and speaks JSON to it.
+The session (session.py) knows none of this: it hands each event with its start's generation to the
+`poster` the app gives it.
 """
 
 from __future__ import annotations
@@ -12,10 +14,7 @@ from collections.abc import Callable
 from textual.message import Message
 from textual.message_pump import MessagePump
 
-from glyd_engine.engine.client import EngineClient, EngineLike
 from glyd_engine.engine.protocol import Event, Progress, Stats
-
-EngineFactory = Callable[[Callable[[Event], None]], EngineLike]
 
 
 class EngineEvent(Message):
@@ -37,14 +36,10 @@ class EngineEvent(Message):
         return False
 
 
-def default_factory(on_event: Callable[[Event], None]) -> EngineLike:
-    return EngineClient(on_event)
+def poster(target: MessagePump) -> Callable[[Event, int], None]:
+    """Where the session sends an engine start's events (from any thread): `target`'s queue, as EngineEvents."""
 
-
-def make_client(factory: EngineFactory, target: MessagePump, generation: int) -> EngineLike:
-    """A client whose events arrive at `target` as EngineEvent messages tagged with `generation`."""
-
-    def on_event(event: Event) -> None:
+    def post(event: Event, generation: int) -> None:
         target.post_message(EngineEvent(event, generation))
 
-    return factory(on_event)
+    return post

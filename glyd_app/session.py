@@ -1,9 +1,10 @@
-"""One chat session with no UI in it: the store, the engine link, the open chat and the reply in flight.
+"""One chat session with no UI in it: the store, the engine, the open chat and the reply in flight.
 
-The chat screen draws and the app routes; what a send, a reply, a stop, a regenerate or a quit does to
-the store and the engine is decided here, and told to whoever draws it through `SessionView`. Nothing
-here imports a screen or a widget (tests/app/test_boundaries.py), so the screens depend on the session
-and never on the app (harlequin's core/UI split, in small).
+The session is the one writer of the app's state: every change to the chat store, and what the engine's
+events do to the session, happens here. The chat screen draws the conversation (`SessionView`) and the app
+draws the engine's life (`EngineView`): both only render what they are told. Nothing here imports Textual
+(tests/app/test_boundaries.py): the engine's events reach the session through `on_event`, and where they come
+from (the app's message queue, a test's list) is the caller's business.
 
 A reply is saved while it streams (about once a second) and once more when it ends, so a crash of either
 process keeps what arrived.
@@ -13,30 +14,34 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Protocol
 
 from glyd_app.attachments import Attachment, TokenCounter, model_text
-from glyd_app.engine_link import EngineEvent, EngineFactory, default_factory, make_client
-from glyd_app.store import Chat, SearchHit, Store, StoredMessage, title_from
+from glyd_app.store import Chat, SearchHit, Store, StoredAttachment, StoredMessage, title_from
+from glyd_engine.engine.client import EngineClient, EngineLike
 from glyd_engine.engine.protocol import (
     Delta,
     EngineSettings,
     Error,
+    Event,
     Finished,
     GenerationParams,
     Progress,
     Ready,
     Stats,
+    Stopped,
 )
+from glyd_engine.errors import CRASH
 
 if TYPE_CHECKING:
-    from textual.message_pump import MessagePump
-
-    from glyd_engine.engine.client import EngineLike
     from glyd_engine.progress import ProgressEvent
+
+EngineFactory = Callable[[Callable[[Event], None]], EngineLike]
+# Where an engine start's events go, tagged with its generation; called from the client's reader thread
+Post = Callable[[Event, int], None]
 
 SAVE_EVERY_S = 1.0
 EngineState = Literal["stopped", "starting", "ready", "failed", "stopping"]
@@ -45,8 +50,12 @@ Severity = Literal["information", "warning", "error"]
 REPLY_STATUS = {"stop": "done", "length": "length", "stopped": "stopped"}
 
 
+def default_factory(on_event: Callable[[Event], None]) -> EngineLike:
+    return EngineClient(on_event)
+
+
 class SessionView(Protocol):
-    """What the session tells whoever draws it (the chat screen)."""
+    """What the session tells whoever draws the conversation (the chat screen)."""
 
     def notice(self, text: str, severity: Severity = "information", timeout: float | None = None) -> None: ...
     async def reply_started(self, message_id: int) -> None: ...
@@ -55,6 +64,16 @@ class SessionView(Protocol):
     async def reply_finished(self, status: str) -> None: ...
     def busy_changed(self, busy: bool) -> None: ...
     async def messages_dropped(self, from_id: int) -> None: ...
+
+
+class EngineView(Protocol):
+    """What the session tells whoever draws the engine's life (the app)."""
+
+    def engine_progress(self, progress: Progress) -> None: ...
+    def engine_ready(self, ready: Ready) -> None: ...
+    def engine_failed(self, error: Error) -> None: ...
+    def engine_error(self, error: Error) -> None: ...
+    def engine_stopped(self) -> None: ...
 
 
 @dataclass
@@ -93,6 +112,7 @@ class ChatSession:
         self.chat: Chat | None = None
         self.reply: Reply | None = None
         self.view: SessionView | None = None
+        self.engine_view: EngineView | None = None
         self._engine_lock = threading.Lock()
 
     @property
@@ -139,6 +159,69 @@ class ChatSession:
     def messages(self) -> list[StoredMessage]:
         return self.store.messages(self.chat.id) if self.chat is not None else []
 
+    def chats(self) -> list[Chat]:
+        return self.store.chats()
+
+    def chat_by_id(self, chat_id: int) -> Chat:
+        return self.store.chat(chat_id)
+
+    def message_count(self, chat_id: int) -> int:
+        return len(self.store.messages(chat_id))
+
+    def attachments(self, chat_id: int) -> dict[int, list[StoredAttachment]]:
+        """The files attached to each message of the chat (by message id)."""
+        return self.store.attachments(chat_id)
+
+    def new_chat(self) -> Chat | None:
+        """A new empty chat with the open one's settings (not opened yet); None, said to the view, while a reply
+        streams or when the open chat is empty already."""
+        chat = self.chat
+        if self.busy:
+            self._view().notice("A reply is streaming: Esc stops it first.", "warning")
+            return None
+        if chat is not None and not self.store.messages(chat.id):
+            self._view().notice("This chat is already empty.")
+            return None
+        settings = {}
+        if chat is not None:
+            settings = {"system_prompt": chat.system_prompt, "temperature": chat.temperature, "top_p": chat.top_p,
+                        "max_tokens": chat.max_tokens, "seed": chat.seed}
+        return self.store.new_chat(model=self.model_spec, **settings)
+
+    def chat_after_delete(self) -> Chat:
+        """What to open once the open chat was deleted: the latest one left, else a new one."""
+        remaining = self.store.chats()
+        return remaining[0] if remaining else self.store.new_chat(model=self.model_spec)
+
+    def save_chat_settings(self, chat_id: int, system_prompt: str, temperature: float | None, top_p: float | None,
+                           max_tokens: int, seed: int | None) -> None:
+        self.store.update_chat(chat_id, system_prompt=system_prompt, temperature=temperature, top_p=top_p,
+                               max_tokens=max_tokens, seed=seed)
+        self.reload_chat()
+
+    # ------------------------------------------------------------------ models
+
+    def model_dirs(self) -> list[Path]:
+        """The model directories the user added (the model picker lists them)."""
+        return self.store.model_dirs()
+
+    def forget_model_dir(self, path: Path) -> None:
+        self.store.remove_model_dir(path)
+
+    def use_model(self, spec: str, added_dir: bool = False) -> None:
+        """The open chat now runs `spec` (the reply in flight is stopped; a directory the user picked is kept for the
+        picker). The engine start is the app's to ask for."""
+        if added_dir:
+            self.store.add_model_dir(spec)
+        self.stop_reply()
+        if self.chat is not None:
+            self.store.update_chat(self.chat.id, model=spec)
+            self.reload_chat()
+
+    def use_kv_mode(self, mode: str) -> None:
+        """The KV mode the next engine start asks for."""
+        self.settings.kv = mode
+
     def search(self, text: str) -> list[SearchHit]:
         """Chats whose title or a message holds every word of `text` (the store's full-text index)."""
         return self.store.search(text)
@@ -171,9 +254,10 @@ class ChatSession:
         self.last_error = None
         return self.generation
 
-    def spawn(self, spec: str, generation: int, target: MessagePump) -> None:
+    def spawn(self, spec: str, generation: int, post: Post) -> None:
         """Shut the previous engine down (its child exits, freeing its memory), then spawn the new one;
-        its events reach `target` as EngineEvent messages. Blocks: the app runs it in a thread.
+        its events go to `post` with `generation` (from the client's reader thread: `post` hands them over to
+        whoever calls `on_event`). Blocks: the app runs it in a thread.
 
         Serialised by a lock: a second switch while the first is still spawning waits, then shuts the
         first one down; a start that was superseded meanwhile does nothing.
@@ -185,8 +269,8 @@ class ChatSession:
             if generation != self.generation:
                 return
             if self.install_if_missing:
-                _install_engine_if_missing(target, generation)
-            client = make_client(self.engine_factory, target, generation)
+                _install_engine_if_missing(post, generation)
+            client = self.engine_factory(lambda event: post(event, generation))
             self.engine = client
             client.start(spec, self.settings)
 
@@ -196,12 +280,43 @@ class ChatSession:
         return self.engine
 
     def engine_failed(self, error: Error) -> None:
+        """The start failed, or the engine died: told to the engine's view (also for a spawn that raised)."""
         self.engine_state = "failed"
         self.last_error = error
+        if self.engine_view is not None:
+            self.engine_view.engine_failed(error)
 
     def engine_loaded(self, ready: Ready) -> None:
         self.engine_state = "ready"
         self.ready_info = ready
+
+    async def on_event(self, event: Event, generation: int) -> None:
+        """One event of the engine start `generation` (older starts' events are dropped): the session's state
+        changes here, then the views are told."""
+        if generation != self.generation:
+            return
+        view = self.engine_view
+        if isinstance(event, Progress):
+            if view is not None:
+                view.engine_progress(event)
+        elif isinstance(event, Ready):
+            self.engine_loaded(event)
+            if view is not None:
+                view.engine_ready(event)
+            await self.request_reply()  # a message sent while the engine started
+        elif isinstance(event, Delta | Stats | Finished):
+            await self.on_reply_event(event)
+        elif isinstance(event, Error):
+            if event.fatal:
+                self.engine_failed(event)
+            elif view is not None:
+                view.engine_error(event)
+        elif isinstance(event, Stopped):
+            exited = self.engine_exited()
+            if exited == "unexpected":
+                self.engine_failed(Error("The engine process exited.", CRASH, fatal=True))
+            elif exited == "stopped" and view is not None:
+                view.engine_stopped()
 
     def engine_exited(self) -> Literal["unexpected", "stopped"] | None:
         """The child is gone: "unexpected" when it was serving (a failure to report), "stopped" when it was
@@ -355,14 +470,14 @@ class ChatSession:
         self._view().busy_changed(False)
 
 
-def _install_engine_if_missing(target: MessagePump, generation: int) -> None:
+def _install_engine_if_missing(post: Post, generation: int) -> None:
     from glyd_engine.engine.install import engine_available, install_engine
 
     if engine_available():
         return
 
     def progress(ev: ProgressEvent) -> None:
-        target.post_message(EngineEvent(Progress.of(ev), generation))
+        post(Progress.of(ev), generation)
 
     install_engine(progress)
 

@@ -83,7 +83,7 @@ class ChatScreen(Screen[None]):
         self.app.sub_title = chat.title
         box = self.query_one("#messages", VerticalScroll)
         await box.remove_children()
-        files = self.session.store.attachments(chat.id)
+        files = self.session.attachments(chat.id)
         views = [self._view(m, [f"📎 {a.name} · {a.tokens:,} tokens" for a in files.get(m.id, [])])
                  for m in self.session.messages()]
         if not views:
@@ -130,7 +130,7 @@ class ChatScreen(Screen[None]):
         files = list(self.pending)
         if files:
             counter = self.session.token_counter()
-            chat = self.session.store.chat(self.session.chat.id)
+            chat = self.session.chat_by_id(self.session.chat.id)
             error = context_error(counter.count(text), files, chat.max_tokens, self.session.context_length,
                                   counter.method)
             if error:
@@ -169,7 +169,7 @@ class ChatScreen(Screen[None]):
         except (AttachmentError, OSError) as exc:
             self.notify(f"Not attached: {exc}", severity="error", timeout=10)
             return False
-        chat = self.session.store.chat(self.session.chat.id) if self.session.chat else None
+        chat = self.session.chat_by_id(self.session.chat.id) if self.session.chat else None
         reply = chat.max_tokens if chat is not None else 0
         error = context_error(0, [*self.pending, file], reply, self.session.context_length, counter.method)
         if error:

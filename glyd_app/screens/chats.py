@@ -100,14 +100,14 @@ class ChatList(ModalScreen[int | None]):
     def refresh_list(self) -> None:
         """List every chat, or the chats that match the search box; the highlight stays on the same chat."""
         previous = self.highlighted_chat_id()
-        store = self.session.store
-        self.hits = self.session.search(self.query_text) if self.query_text else None
-        self.chats = store.chats() if self.hits is None else [store.chat(h.chat_id) for h in self.hits]
+        session = self.session
+        self.hits = session.search(self.query_text) if self.query_text else None
+        self.chats = session.chats() if self.hits is None else [session.chat_by_id(h.chat_id) for h in self.hits]
         options = self.query_one(OptionList)
         options.clear_options()
         if self.hits is None:
             for chat in self.chats:
-                n = len(store.messages(chat.id))
+                n = session.message_count(chat.id)
                 mark = "● " if chat.id == self.current else "  "
                 options.add_option(
                     Option(f"{mark}{chat.title}  [dim]{n} messages · {when(chat.updated)}[/]", id=str(chat.id))

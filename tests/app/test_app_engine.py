@@ -47,7 +47,7 @@ async def test_crash_mid_reply_keeps_text_and_restart_works(echo_app) -> None:  
         await wait_for(pilot, lambda: isinstance(app.screen, EngineFailed), 30, "failure dialog")
         assert app.screen.kind == "crash" and "exit code 3" in app.screen.message  # type: ignore[attr-defined]
         await wait_for(pilot, lambda: not app.session.busy, 10, "reply closed")
-        reply = app.store.messages(app.session.chat.id)[-1]  # type: ignore[union-attr]
+        reply = app.session.store.messages(app.session.chat.id)[-1]  # type: ignore[union-attr]
         assert reply.role == "assistant" and reply.status == "interrupted" and reply.content == "about to "
         await pilot.press("r")  # restart from the dialog
         await wait_for(pilot, lambda: app.session.engine_state == "ready", 30, "ready again")

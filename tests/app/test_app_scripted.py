@@ -43,7 +43,7 @@ async def test_send_streams_a_reply_with_numbers_and_stores_it(scripted_app: Mak
         assert "weights 179 MiB" in text and "KV 56/16,320 tok" in text and "Glyd lossless" in text
         chat = app.session.chat
         assert chat is not None and chat.title == "Capital of France?"
-        stored = app.store.messages(chat.id)
+        stored = app.session.store.messages(chat.id)
         assert [(m.role, m.status) for m in stored] == [("user", "done"), ("assistant", "done")]
         assert stored[1].stats["gen_tps"] == 41.3
         engine = app.session.engine_factory.engines[-1]  # type: ignore[attr-defined]
@@ -74,7 +74,7 @@ async def test_escape_stops_the_reply_and_keeps_the_text(scripted_app: MakeApp, 
         await wait_for(pilot, lambda: app.session.busy)
         await pilot.press(key)
         await wait_for(pilot, lambda: not app.session.busy)
-        reply = app.store.messages(app.session.chat.id)[-1]  # type: ignore[union-attr]
+        reply = app.session.store.messages(app.session.chat.id)[-1]  # type: ignore[union-attr]
         assert reply.status == "stopped" and "Paris" in reply.content
         assert "Stopped" in list(app.query(MessageView))[-1].note
 
@@ -112,7 +112,7 @@ async def test_message_typed_while_starting_is_sent_when_ready(scripted_app: Mak
         assert engine.requests == []
         engine.on_event(READY)
         await wait_for(pilot, lambda: len(engine.requests) == 1 and not app.session.busy)
-        assert app.store.messages(app.session.chat.id)[-1].role == "assistant"  # type: ignore[union-attr]
+        assert app.session.store.messages(app.session.chat.id)[-1].role == "assistant"  # type: ignore[union-attr]
 
 
 async def test_failed_start_shows_the_reason_and_app_stays_usable(scripted_app: MakeApp) -> None:
@@ -127,7 +127,7 @@ async def test_failed_start_shows_the_reason_and_app_stays_usable(scripted_app: 
         await pilot.press("enter")
         await pilot.pause(0.1)
         # kept, not lost: the message waits in the chat for an engine
-        assert app.store.messages(app.session.chat.id)[-1].content == "still here"  # type: ignore[union-attr]
+        assert app.session.store.messages(app.session.chat.id)[-1].content == "still here"  # type: ignore[union-attr]
 
 
 async def test_switching_model_restarts_engine_and_keeps_history(scripted_app: MakeApp, tmp_path: Path) -> None:
@@ -148,9 +148,9 @@ async def test_switching_model_restarts_engine_and_keeps_history(scripted_app: M
         engines = app.session.engine_factory.engines  # type: ignore[attr-defined]
         await wait_for(pilot, lambda: len(engines) == 2 and app.session.engine_state == "ready")
         assert not engines[0].running and engines[1].started[0][0] == str(model_dir.resolve())
-        assert app.store.model_dirs() == [model_dir.resolve()]
+        assert app.session.store.model_dirs() == [model_dir.resolve()]
         assert len(app.query(MessageView)) == 2  # the chat stayed
-        assert app.store.chat(app.session.chat.id).model == str(model_dir.resolve())  # type: ignore[union-attr]
+        assert app.session.store.chat(app.session.chat.id).model == str(model_dir.resolve())  # type: ignore[union-attr]
         await pilot.press("f2")
         await wait_for(pilot, lambda: app.screen.__class__.__name__ == "ModelPicker")
         await wait_for(pilot, lambda: len(app.screen.entries) >= 2)  # type: ignore[attr-defined]
@@ -177,7 +177,7 @@ async def test_chat_list_rename_export_delete_and_new_chat(scripted_app: MakeApp
         await pilot.press("ctrl+a", "ctrl+k")
         await type_text(pilot, "Cats")
         await pilot.press("enter")
-        await wait_for(pilot, lambda: app.store.chat(first).title == "Cats")
+        await wait_for(pilot, lambda: app.session.store.chat(first).title == "Cats")
         await pilot.press("e")
         exported = tmp_path / "exports" / "glyd-cats.md"
         await wait_for(pilot, exported.exists)
@@ -190,7 +190,7 @@ async def test_chat_list_rename_export_delete_and_new_chat(scripted_app: MakeApp
         await pilot.press("d")
         await wait_for(pilot, lambda: app.screen.__class__.__name__ == "Confirm")
         await pilot.press("y")
-        await wait_for(pilot, lambda: all(c.id != first for c in app.store.chats()))
+        await wait_for(pilot, lambda: all(c.id != first for c in app.session.store.chats()))
         await pilot.press("escape")
         await wait_for(pilot, lambda: app.session.chat.id != first)  # type: ignore[union-attr]
 
@@ -379,18 +379,18 @@ async def test_regenerate_and_edit_the_last_message(scripted_app: MakeApp) -> No
         await type_text(pilot, "Capital of France?")
         await pilot.press("enter")
         chat_id = app.session.chat.id  # type: ignore[union-attr]
-        await wait_for(pilot, lambda: len(app.store.messages(chat_id)) == 2 and not app.session.busy)
-        first_reply = app.store.messages(chat_id)[1].created
+        await wait_for(pilot, lambda: len(app.session.store.messages(chat_id)) == 2 and not app.session.busy)
+        first_reply = app.session.store.messages(chat_id)[1].created
         engine = app.session.engine_factory.engines[-1]  # type: ignore[attr-defined]
         await pilot.press("ctrl+g")
         await wait_for(pilot, lambda: len(engine.requests) == 2 and not app.session.busy)
-        stored = app.store.messages(chat_id)
+        stored = app.session.store.messages(chat_id)
         assert [m.role for m in stored] == ["user", "assistant"] and stored[1].created > first_reply
         assert engine.requests[1][0] == engine.requests[0][0]  # the same conversation, asked again
         assert len(app.query(MessageView)) == 2
         await pilot.press("ctrl+t")
         await wait_for(pilot, lambda: app.chat_screen.query_one(ChatInput).text == "Capital of France?")
-        assert app.store.messages(chat_id) == [] and len(app.query(MessageView)) == 0
+        assert app.session.store.messages(chat_id) == [] and len(app.query(MessageView)) == 0
         await type_text(pilot, " And of Italy?")
         await pilot.press("enter")
         await wait_for(pilot, lambda: len(engine.requests) == 3 and not app.session.busy)

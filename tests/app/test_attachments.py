@@ -55,7 +55,7 @@ async def test_attach_complete_send_and_reload(scripted_app: Callable[..., GlydA
         assert not app.chat_screen.query_one("#attached").has_class("shown")
         await pilot.press("ctrl+n")  # then back: the attachment is shown from the store
         await wait_for(pilot, lambda: len(app.query(MessageView)) == 0)
-        first = app.store.chats()[-1].id
+        first = app.session.store.chats()[-1].id
         await app.open_chat(first)
         await wait_for(pilot, lambda: len(app.query(MessageView)) == 2)
         assert app.query(MessageView).first().files == ["📎 notes-2026.md · 51 tokens"]  # its fenced text, by bytes
@@ -85,7 +85,7 @@ async def test_a_file_that_does_not_fit_is_refused_with_the_numbers(scripted_app
         await pilot.press("enter")
         await pilot.pause(0.2)
         assert "small.txt does not fit the context" in notes[-1]
-        assert len(app.query(MessageView)) == 0 and app.chat_screen.pending and app.store.messages(
+        assert len(app.query(MessageView)) == 0 and app.chat_screen.pending and app.session.store.messages(
             app.session.chat.id) == []  # type: ignore[union-attr]
         await pilot.press("shift+f8")
         assert app.chat_screen.pending == []

@@ -151,3 +151,25 @@ def test_the_chat_session_imports_no_screen_or_widget() -> None:
     imported = _imported_modules(APP / "session.py")
     assert "glyd_app.store" in imported
     assert sorted(m for m in imported if m.startswith(drawn)) == []
+
+
+def test_importing_the_chat_session_loads_no_textual() -> None:
+    """The session (and the store, the engine client it uses) runs without the UI: a test or another front end can
+    drive a conversation with no Textual installed."""
+    code = ("import sys, json\nimport glyd_app.session\n"
+            "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'textual')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+def test_only_the_session_touches_the_chat_store() -> None:
+    """One writer of the app's state: the app, its screens and widgets reach the chat store only through the
+    session's methods, never as `.store` (nor import the Store to make their own)."""
+    offenders = {}
+    for path in [APP / "app.py", *APP.glob("screens/*.py"), *APP.glob("widgets/*.py")]:
+        tree = ast.parse(path.read_text(), filename=str(path))
+        uses = sorted({node.lineno for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr in (
+            "store", "_store")})
+        if uses:
+            offenders[str(path.relative_to(ROOT))] = uses
+    assert offenders == {}

@@ -53,7 +53,7 @@ async def test_search_finds_chats_by_their_messages_then_rename_export_delete_an
         await pilot.press("ctrl+a", "ctrl+k")
         await type_text(pilot, "Python loops")
         await pilot.press("enter")
-        code = next(c for c in app.store.chats() if c.title == "Python loops")
+        code = next(c for c in app.session.store.chats() if c.title == "Python loops")
         assert [h.chat_id for h in app.session.search("loops")] == [code.id]  # the index saw the rename
         await pilot.press("e")
         exported = tmp_path / "exports" / "glyd-python-loops.md"
@@ -65,7 +65,7 @@ async def test_search_finds_chats_by_their_messages_then_rename_export_delete_an
         await pilot.press("enter", "d")
         await wait_for(pilot, lambda: app.screen.__class__.__name__ == "Confirm")
         await pilot.press("y")
-        await wait_for(pilot, lambda: "Cooking" not in [c.title for c in app.store.chats()])
+        await wait_for(pilot, lambda: "Cooking" not in [c.title for c in app.session.store.chats()])
         assert app.session.search("onion") == [] and screen.chats == []
         await pilot.press("slash", "ctrl+a", "ctrl+k")
         await type_text(pilot, "basel")

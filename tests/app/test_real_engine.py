@@ -82,11 +82,11 @@ async def _send(pilot, app: GlydApp, text: str) -> MessageView:  # type: ignore[
     await type_text(pilot, text)
     await wait_for(pilot, lambda: box.text == text, 10, f"the input holding {text!r} (it holds {box.text!r})")
     chat_id = app.session.chat.id  # type: ignore[union-attr]
-    before = len(app.store.messages(chat_id))
+    before = len(app.session.store.messages(chat_id))
     await pilot.press("enter")
     # the user's message and the reply's row are stored when the reply starts; a short reply can also be over
     # between two polls, so "busy" alone may never be seen
-    await wait_for(pilot, lambda: len(app.store.messages(chat_id)) >= before + 2, 30, "reply started")
+    await wait_for(pilot, lambda: len(app.session.store.messages(chat_id)) >= before + 2, 30, "reply started")
     await wait_for(pilot, lambda: not app.session.busy, REPLY_TIMEOUT, "reply finished")
     return list(app.query(MessageView))[-1]
 
@@ -109,7 +109,7 @@ async def test_chat_stop_switch_and_back_on_the_real_engine(real_env: dict[str, 
         assert "weights " in bar and ("MiB" in bar or "GiB" in bar) and " RAM " in bar
         assert f"/{ready.kv_capacity_tokens:,} tok" in bar and "KV mode" in bar
         chat_id = app.session.chat.id  # type: ignore[union-attr]
-        stored = app.store.messages(chat_id)
+        stored = app.session.store.messages(chat_id)
         assert stored[-1].status in ("done", "length") and stored[-1].stats.get("gen_tps")
 
         # 2. Esc stops a long reply; the text so far is kept
@@ -124,7 +124,7 @@ async def test_chat_stop_switch_and_back_on_the_real_engine(real_env: dict[str, 
         )
         await pilot.press("escape")
         await wait_for(pilot, lambda: not app.session.busy, 60, "stopped")
-        stopped = app.store.messages(chat_id)[-1]
+        stopped = app.session.store.messages(chat_id)[-1]
         assert stopped.status == "stopped" and len(stopped.content) > 20
         assert stopped.stats["generated_tokens"] < 512
 
@@ -140,7 +140,7 @@ async def test_chat_stop_switch_and_back_on_the_real_engine(real_env: dict[str, 
         assert "reading the prompt" in bar_widget.render().plain
         await pilot.press("escape")
         await wait_for(pilot, lambda: not app.session.busy, 60, "stopped while reading the prompt")
-        stopped = app.store.messages(chat_id)[-1]
+        stopped = app.session.store.messages(chat_id)[-1]
         assert stopped.status == "stopped" and stopped.stats["generated_tokens"] == 0
 
         # 3. switch to a second model and back; the chat stays on screen, the old numbers do not
