@@ -186,7 +186,7 @@ async def test_quit_start_again_find_and_continue_the_chat(real_env: dict[str, P
         await _ready(pilot, again)
         reply = await _send(pilot, again, "What is my name?")
         assert reply.content.strip()
-        stored = again.store.messages(chat_id)
+        stored = again.session.store.messages(chat_id)
         assert [m.role for m in stored] == ["user", "assistant", "user", "assistant"]
         # the whole conversation went to the engine, not just the last message
         assert stored[-1].stats["prompt_tokens"] > stored[1].stats["prompt_tokens"] + 10
