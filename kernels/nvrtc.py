@@ -75,15 +75,17 @@ def compile_cubin(name: str, arch: str, defines: dict[str, int], log_ptxas: bool
     try:
         (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         (size,) = _check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
-        buf = b" " * size
+        # NVRTC writes into the buffer it is given: a bytearray of our own. (`b" " * 1` is CPython's shared one-byte
+        # object; an empty log wrote NUL into it, and every b" " in the process became b"\x00".)
+        buf = bytearray(size)
         _check(nvrtc.nvrtcGetProgramLog(prog, buf), "nvrtcGetProgramLog")
         text = buf.decode(errors="replace").rstrip("\x00 \n")
         if int(err) != 0:
             raise KernelBuildError(f"NVRTC could not compile {name} for {arch} ({defines}):\n{text}")
         (size,) = _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
-        cubin = b" " * size
+        cubin = bytearray(size)
         _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
-        return cubin, text
+        return bytes(cubin), text
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 

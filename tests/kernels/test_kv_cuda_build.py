@@ -138,3 +138,12 @@ def test_cubins_are_cached_by_source_defines_and_arch(tmp_path, monkeypatch: pyt
     nvrtc.cached_cubin("kv_pages.cu", "sm_90", {**defines, "GQ": 4})
     assert len(calls) == 3
     assert len(list((tmp_path / "cache" / "kernels").glob("*.cubin"))) == 3
+
+
+def test_a_compile_with_an_empty_log_leaves_the_interpreters_bytes_alone() -> None:
+    """NVRTC writes its log into the buffer it is handed; a shared one-byte bytes object there turned every b" " of
+    the process into b"\\x00" (a later safetensors header padded with spaces then failed to parse)."""
+    defines = {"HEAD": 64, "GQ": 3, "RESERVE": 36, "TPP": 1, "WARPS": 4}
+    cubin, log = nvrtc.compile_cubin("kv_pages.cu", "sm_90", defines)
+    assert log == "" and cubin[:4] == b"\x7fELF"
+    assert b" " * 3 == b"   " and b" ".decode() == chr(32)  # b"   " is an object of its own; b" " is the shared one
