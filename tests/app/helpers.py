@@ -16,6 +16,13 @@ async def wait_for(pilot: Pilot, condition: Callable[[], bool], timeout: float =
         await pilot.pause(0.05)
 
 
+async def wait_for_dialog(pilot: Pilot, app, cls: type, timeout: float = 30.0) -> None:  # noqa: ANN001
+    """`cls` is the current screen and composed: a pushed screen's widgets mount a frame later (under load, later
+    still), so a query right after the push can miss them."""
+    await wait_for(pilot, lambda: isinstance(app.screen, cls) and app.screen.is_mounted and bool(app.screen.children),
+                   timeout, f"the {cls.__name__} dialog")
+
+
 async def type_text(pilot: Pilot, text: str) -> None:
     """Type into the focused widget (characters as key presses; spaces by name)."""
     await pilot.press(*[{" ": "space"}.get(c, c) for c in text])

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import focus_input, type_text, wait_for
+from helpers import focus_input, type_text, wait_for, wait_for_dialog
 
 from glyd_app.app import GlydApp
 from glyd_app.screens.dialogs import EngineFailed
@@ -44,7 +44,7 @@ async def test_crash_mid_reply_keeps_text_and_restart_works(echo_app) -> None:  
         await wait_for(pilot, lambda: app.session.engine_state == "ready", 30, "ready")
         await type_text(pilot, "please CRASH")
         await pilot.press("enter")
-        await wait_for(pilot, lambda: isinstance(app.screen, EngineFailed), 30, "failure dialog")
+        await wait_for_dialog(pilot, app, EngineFailed)
         assert app.screen.kind == "crash" and "exit code 3" in app.screen.message  # type: ignore[attr-defined]
         await wait_for(pilot, lambda: not app.session.busy, 10, "reply closed")
         reply = app.session.store.messages(app.session.chat.id)[-1]  # type: ignore[union-attr]
@@ -61,7 +61,7 @@ async def test_crash_mid_reply_keeps_text_and_restart_works(echo_app) -> None:  
 async def test_model_that_fails_to_load_shows_why(echo_app) -> None:  # type: ignore[no-untyped-def]
     app = echo_app("fail:unsupported")
     async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: isinstance(app.screen, EngineFailed), 30, "failure dialog")
+        await wait_for_dialog(pilot, app, EngineFailed)
         assert app.screen.kind == "unsupported"  # type: ignore[attr-defined]
         assert "EchoForCausalLM is not supported" in app.screen.message  # type: ignore[attr-defined]
         await pilot.press("escape")
@@ -79,7 +79,7 @@ async def test_a_killed_engine_is_titled_by_what_happened(echo_app) -> None:  # 
         await wait_for(pilot, lambda: app.session.engine_state == "ready", 30, "ready")
         await type_text(pilot, "please KILL")
         await pilot.press("enter")
-        await wait_for(pilot, lambda: isinstance(app.screen, EngineFailed), 30, "failure dialog")
+        await wait_for_dialog(pilot, app, EngineFailed)
         title = str(app.screen.query_one(".title", Label).render())
         assert title == "The engine was stopped by a signal", title
         assert "stopped by SIGKILL" in app.screen.message  # type: ignore[attr-defined]
@@ -88,6 +88,6 @@ async def test_a_killed_engine_is_titled_by_what_happened(echo_app) -> None:  # 
         await focus_input(pilot, app)
         await type_text(pilot, "please CRASH")
         await pilot.press("enter")
-        await wait_for(pilot, lambda: isinstance(app.screen, EngineFailed), 30, "failure dialog")
+        await wait_for_dialog(pilot, app, EngineFailed)
         assert str(app.screen.query_one(".title", Label).render()) == "The engine crashed"
         assert "RuntimeError: the echo backend was asked to crash" in app.screen.message  # type: ignore[attr-defined]

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import wait_for
+from helpers import wait_for_dialog
 from textual.widgets import Label, Static
 
 from glyd_app.app import GlydApp
@@ -24,7 +24,7 @@ async def test_a_refusal_shows_its_reason_and_fix(glyd_home: Path, tmp_path: Pat
     app = GlydApp(model="fail:refused", settings=EngineSettings(kv="lossless"), store=Store(tmp_path / "c.sqlite3"),
                   export_dir=tmp_path, install_if_missing=False)
     async with app.run_test(size=(110, 36)) as pilot:
-        await wait_for(pilot, lambda: isinstance(app.screen, EngineFailed), 30, "refusal dialog")
+        await wait_for_dialog(pilot, app, EngineFailed)
         screen = app.screen
         assert isinstance(screen, EngineFailed) and screen.kind == "refused"
         assert str(screen.query_one(".title", Label).render()) == KIND_TITLES["refused"]
