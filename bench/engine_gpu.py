@@ -128,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plan", default="demo")
     ap.add_argument("--packed", default="", help="the model's Glyd checkpoint (plan demo)")
     ap.add_argument("--only", default="", help="comma-separated engine names of the plan to run")
+    ap.add_argument("--eager", action="store_true",
+                    help="every engine eager, the reference too: the numbers' check in a fraction of the start time, "
+                         "not of torch.compile and CUDA graphs")
     ap.add_argument("--out", type=Path, default=Path("."))
     ap.add_argument("--budget-s", type=float, default=480, help="start no engine past this many seconds")
     ap.add_argument("--timeout-s", type=float, default=300)
@@ -139,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.only:
         keep = set(a.only.split(","))
         specs = [s for s in specs if s["name"] in keep or s is specs[0]]
+    if a.eager:
+        specs = [{**s, "eager": True} for s in specs]
     t0 = time.monotonic()
     results: dict[str, Any] = {}
     failures: list[str] = []
@@ -179,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
 
     doc = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-           "plan": a.plan, "model": a.model, "table": table, "failures": failures,
+           "plan": a.plan, "model": a.model, "eager": a.eager, "table": table, "failures": failures,
            "results": {k: {kk: vv for kk, vv in v.items() if kk != "prompt_logprobs_bits"} for k, v in results.items()}}
     (a.out / f"engine_{a.plan}.json").write_text(json.dumps(doc, indent=1))
     return 1 if failures else 0
