@@ -155,3 +155,15 @@ def test_engine_gpu_verdicts_count_every_differing_bit() -> None:
     assert eg.verdict(promise, off_by_one) == ["m: greedy_equal 1/2", "m: 1 of 9 values read back differ"]
     nothing = eg.compare(ref, {"kv_tokens": 1})
     assert len(eg.verdict(promise, nothing)) == 4  # no logprobs, no tokens, no values compared: all fail
+
+
+def test_an_engine_child_killed_at_its_timeout_leaves_its_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A child that outlives its timeout is killed; what it printed before is in the log and in the error (the GPU
+    runs' slow starts were otherwise lost)."""
+    (tmp_path / "slow_child.py").write_text("import sys, time\nprint('loading weights', flush=True)\n"
+                                            "print('compiling graphs', file=sys.stderr, flush=True)\ntime.sleep(60)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    log = tmp_path / "engine.log"
+    with pytest.raises(RuntimeError, match=r"killed after 2 s(.|\n)*loading weights(.|\n)*compiling graphs"):
+        kv.run_engine({"model": "m", "mode": "off"}, timeout=2, log=log, module="slow_child")
+    assert "loading weights" in log.read_text() and "compiling graphs" in log.read_text()

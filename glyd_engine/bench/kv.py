@@ -231,20 +231,32 @@ def child_env() -> dict[str, str]:
 def run_engine(spec: dict[str, Any], timeout: float = 900, log: Path | None = None,
                module: str = "glyd_engine.bench.kv") -> dict[str, Any]:
     """Run one engine child (`python -m module --child SPEC`); its result dict, or RuntimeError with the
-    log's tail (and its first Glyd line)."""
+    log's tail (and its first Glyd line). Its output goes to files as it runs, so a child killed at the timeout
+    still leaves what it printed, in `log` and in the error."""
+    import tempfile
+
     spec = {**spec, "model": str(spec["model"])}
-    proc = subprocess.run([sys.executable, "-m", module, "--child", json.dumps(spec)],
-                          capture_output=True, text=True, timeout=timeout, env=child_env())
-    text = proc.stdout + "\n" + proc.stderr
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path, err_path = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        timed_out = False
+        with open(out_path, "w") as out_f, open(err_path, "w") as err_f:
+            try:
+                proc = subprocess.run([sys.executable, "-m", module, "--child", json.dumps(spec)], stdout=out_f,
+                                      stderr=err_f, text=True, timeout=timeout, env=child_env())
+                rc: int | str = proc.returncode
+            except subprocess.TimeoutExpired:  # run() has killed the child
+                timed_out, rc = True, f"killed after {timeout:.0f} s"
+        stdout, stderr = out_path.read_text(errors="replace"), err_path.read_text(errors="replace")
+    text = stdout + "\n" + stderr
     if log is not None:
         log.write_text(text)
-    out = parse_result(proc.stdout)
+    out = None if timed_out else parse_result(stdout)
     if out is not None:
         out["log"] = text
         return out
     cause = next((ln.strip() for ln in text.splitlines() if "Error: " in ln and "Engine core initialization" not in ln),
                  "")
-    raise RuntimeError(f"engine ({spec['mode']}) failed, rc={proc.returncode}: {cause}\n{text[-6000:]}")
+    raise RuntimeError(f"engine ({spec['mode']}) failed, rc={rc}: {cause}\n{text[-6000:]}")
 
 
 def parse_result(stdout: str) -> dict[str, Any] | None:
