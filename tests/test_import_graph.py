@@ -105,18 +105,10 @@ def test_the_house_imports_in_no_circle() -> None:
     assert find_cycle(import_graph(lazy=False)) is None
 
 
-# The plugin's settings ask capabilities which backend would run, whose module reads the settings: a circle only
-# through imports inside functions (issue 31, item 3's lazy lookup), left to that item's owner.
-LAZY_CIRCLE_LEFT = "glyd_engine.vllm_plugin"
-
-
 def test_no_circle_even_through_imports_inside_functions() -> None:
-    """Counting imports inside functions too: none in the app, the kernels, the benchmarks or the engine outside
-    the plugin."""
-    graph = import_graph()
-    graph = {m: {n for n in targets if not n.startswith(LAZY_CIRCLE_LEFT)}
-             for m, targets in graph.items() if not m.startswith(LAZY_CIRCLE_LEFT)}
-    assert find_cycle(graph) is None
+    """Counting imports inside functions too: none anywhere (the plugin's settings derive refusals from
+    page_facts, which imports nothing of the plugin)."""
+    assert find_cycle(import_graph()) is None
 
 
 def test_the_benchmarks_share_their_types_through_one_module() -> None:

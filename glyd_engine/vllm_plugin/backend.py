@@ -25,24 +25,12 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
-from glyd_engine.format.kv_page import head_size_supported
 from glyd_engine.vllm_plugin import settings, state
 from glyd_engine.vllm_plugin.backend_base import GlydBackendBase
+from glyd_engine.vllm_plugin.page_facts import TorchPageFacts
 
 
-class GlydAttentionBackend(GlydBackendBase, CPUAttentionBackend):
-    @classmethod
-    def get_supported_head_sizes(cls) -> list[int]:
-        return [h for h in CPUAttentionBackend.get_supported_head_sizes() if head_size_supported(h)]
-
-    @classmethod
-    def supports_alibi(cls) -> bool:
-        return True  # vLLM's own CPU kernel runs on the decoded pages
-
-    @classmethod
-    def supports_logits_soft_cap(cls) -> bool:
-        return True
-
+class GlydAttentionBackend(TorchPageFacts, GlydBackendBase, CPUAttentionBackend):
     @staticmethod
     def get_impl_cls() -> type[GlydAttentionImpl]:
         return GlydAttentionImpl

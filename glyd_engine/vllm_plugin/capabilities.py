@@ -1,26 +1,14 @@
-"""The refusals, derived from what a GLYD backend declares it supports (backend_base.GlydBackendBase and the two
-backends): an engine's (`engine_refusals`, where vLLM makes its config, before any process starts) and one
+"""The refusals, derived from what a GLYD backend declares it supports (page_facts.py, which each backend class
+takes its facts from): an engine's (`engine_refusals`, where vLLM makes its config, before any process starts) and one
 attention layer's (`layer_refusal`, at the backend selector). Each rule reads one declared fact and says what to
 change; no rule here knows a backend's answer.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from glyd_engine.vllm_plugin.backend_base import GlydBackendBase
-
-
-def backend_for(kernels: str) -> type[GlydBackendBase]:
-    """The backend class whose facts apply where `kernels` (settings.kernels) run the pages."""
-    if kernels == "torch":
-        from glyd_engine.vllm_plugin.backend import GlydAttentionBackend
-
-        return GlydAttentionBackend
-    from glyd_engine.vllm_plugin.gpu_backend import GlydGPUAttentionBackend
-
-    return GlydGPUAttentionBackend
+from glyd_engine.vllm_plugin.page_facts import PageFacts
 
 
 def _size(obj: Any, attr: str) -> int:
@@ -41,7 +29,7 @@ def _has_sliding_window(hf: Any) -> bool:
         "sliding" in str(t) for t in layer_types)
 
 
-def engine_refusals(backend: type[GlydBackendBase], vllm_config: Any) -> list[str]:
+def engine_refusals(backend: type[PageFacts], vllm_config: Any) -> list[str]:
     """Why `backend` cannot hold this engine's KV (empty: it can), each with what to change."""
     b = backend
     why: list[str] = []
@@ -76,12 +64,12 @@ def engine_refusals(backend: type[GlydBackendBase], vllm_config: Any) -> list[st
     return why
 
 
-def _block_sizes(b: type[GlydBackendBase]) -> str:
+def _block_sizes(b: type[PageFacts]) -> str:
     return ", ".join(f"multiples of {s.base}" if hasattr(s, "base") else str(s)
                      for s in b.get_supported_kernel_block_sizes())
 
 
-def _model_refusals(b: type[GlydBackendBase], model: Any) -> list[str]:
+def _model_refusals(b: type[PageFacts], model: Any) -> list[str]:
     why: list[str] = []
     dtype = getattr(model, "dtype", None)
     if dtype is not None and not b.supports_dtype(dtype):
@@ -104,11 +92,11 @@ def _model_refusals(b: type[GlydBackendBase], model: Any) -> list[str]:
     return why
 
 
-def _head_sizes(b: type[GlydBackendBase]) -> str:
+def _head_sizes(b: type[PageFacts]) -> str:
     return " and ".join(map(str, b.get_supported_head_sizes()))
 
 
-def layer_refusal(backend: type[GlydBackendBase], sel: Any) -> str | None:
+def layer_refusal(backend: type[PageFacts], sel: Any) -> str | None:
     """Why one attention layer (vLLM's AttentionSelectorConfig) cannot use `backend`; None if it can."""
     b = backend
     if (getattr(sel, "use_mla", False) and not b.is_mla()) or (getattr(sel, "use_sparse", False)
@@ -138,7 +126,7 @@ def layer_refusal(backend: type[GlydBackendBase], sel: Any) -> str | None:
     return None
 
 
-def impl_refusal(backend: type[GlydBackendBase], num_heads: int, num_kv_heads: int | None, attn_type: str,
+def impl_refusal(backend: type[PageFacts], num_heads: int, num_kv_heads: int | None, attn_type: str,
                  **features: Any) -> str | None:
     """Why an attention layer's impl arguments (alibi_slopes, sliding_window, logits_soft_cap, sinks) are beyond
     `backend`: the last check, where the layer is built; None if it can run them."""

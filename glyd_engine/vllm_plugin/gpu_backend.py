@@ -31,6 +31,7 @@ from glyd_engine.errors import RefusedError
 from glyd_engine.vllm_plugin import settings, state
 from glyd_engine.vllm_plugin.backend_base import GlydBackendBase
 from glyd_engine.vllm_plugin.capabilities import impl_refusal
+from glyd_engine.vllm_plugin.page_facts import CudaPageFacts
 
 
 @dataclass
@@ -184,9 +185,7 @@ def faithful_builder(kv_cache_spec: Any, layer_names: list[str], vllm_config: An
         return None
 
 
-class GlydGPUAttentionBackend(GlydBackendBase, AttentionBackend):
-    query_heads_per_kv_head: ClassVar[range | None] = range(1, 9)  # a decode tile's query rows
-
+class GlydGPUAttentionBackend(CudaPageFacts, GlydBackendBase, AttentionBackend):
     @staticmethod
     def get_name() -> str:
         return "GLYD_GPU"

@@ -30,9 +30,9 @@ def backend_path(decision: settings.Decision) -> str:
 def layer_refusal(sel: Any, backend: type | None = None) -> str | None:
     """Why one attention layer (vLLM's AttentionSelectorConfig) cannot use GLYD's `backend` (None: the CPU
     build's); None if it can. Derived from what the backend declares (capabilities.py)."""
-    from glyd_engine.vllm_plugin import capabilities
+    from glyd_engine.vllm_plugin import capabilities, page_facts
 
-    return capabilities.layer_refusal(backend or capabilities.backend_for("torch"), sel)
+    return capabilities.layer_refusal(backend or page_facts.facts_for("torch"), sel)
 
 
 def _wrap_selector(platform_cls: type) -> None:
@@ -52,9 +52,9 @@ def _wrap_selector(platform_cls: type) -> None:
         decision = settings.decide(cfg)
         settings.log_decision(decision)
         if decision.active:
-            from glyd_engine.vllm_plugin.capabilities import backend_for
+            from glyd_engine.vllm_plugin.page_facts import facts_for
 
-            why = layer_refusal(attn_selector_config, backend_for(decision.kernels))
+            why = layer_refusal(attn_selector_config, facts_for(decision.kernels))
             if why is None:
                 return backend_path(decision)
             raise RefusedError(f"Glyd KV cache (kv={decision.asked}) cannot hold this model: it has {why}",

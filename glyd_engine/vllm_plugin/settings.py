@@ -146,11 +146,11 @@ def _platform_refusal(vllm_config: Any, mode: str) -> str | None:
 def unsupported(vllm_config: Any, mode: str = "lossless") -> list[str]:
     """Why the lossless cache cannot hold this engine's KV (empty: it can). Each item says what to change: the
     platform's rule, then what the backend that would run declares it does not support (capabilities.py)."""
-    from glyd_engine.vllm_plugin import capabilities
+    from glyd_engine.vllm_plugin import capabilities, page_facts
 
     refusal = _platform_refusal(vllm_config, mode)
     use = kernels(vllm_config)
-    backend = capabilities.backend_for("torch" if use == "torch" and platform_name() == "cpu" else "cuda")
+    backend = page_facts.facts_for("torch" if use == "torch" and platform_name() == "cpu" else "cuda")
     return ([refusal] if refusal else []) + capabilities.engine_refusals(backend, vllm_config)
 
 

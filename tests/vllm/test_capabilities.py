@@ -12,12 +12,26 @@ import torch
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.selector import AttentionSelectorConfig
 
-from glyd_engine.vllm_plugin import capabilities, hooks, settings
+from glyd_engine.vllm_plugin import capabilities, hooks, page_facts, settings
 from glyd_engine.vllm_plugin.backend import GlydAttentionBackend
 from glyd_engine.vllm_plugin.gpu_backend import GlydGPUAttentionBackend
 from tests.vllm.test_plugin_units import _config
 
 BACKENDS = [GlydAttentionBackend, GlydGPUAttentionBackend]
+
+
+def test_each_backend_takes_its_facts_from_page_facts() -> None:
+    """The refusals before any backend module is imported (page_facts) and vLLM's questions to the backend class get
+    the same answers: every fact the backends answer is inherited from their facts class, not declared again."""
+    for backend, facts in ((GlydAttentionBackend, page_facts.TorchPageFacts),
+                           (GlydGPUAttentionBackend, page_facts.CudaPageFacts)):
+        assert backend.__mro__[1] is facts
+        for name in vars(page_facts.PageFacts):
+            if name.startswith(("supports_", "get_supported_", "is_")) or name == "query_heads_per_kv_head":
+                declared_by = next(c for c in backend.__mro__ if name in vars(c))
+                assert declared_by in facts.__mro__, (backend.__name__, name, declared_by)
+    assert page_facts.facts_for("torch") is page_facts.TorchPageFacts
+    assert page_facts.facts_for("cuda") is page_facts.CudaPageFacts
 LAYER = AttentionSelectorConfig(head_size=64, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=None)
 
 
@@ -86,15 +100,14 @@ def test_layer_refusals_follow_the_declared_facts(backend: type, fact: str, laye
 
 
 def test_the_sliding_window_rule_is_one_fact(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Declared on the backend, read by the engine's check (settings.resolve), the selector (hooks.layer_refusal)
-    and the GPU impl: a backend that declared it would pass all three."""
+    """Declared once (page_facts.PageFacts, which both backends take their facts from), read by the engine's check
+    (settings.resolve), the selector (hooks.layer_refusal) and the GPU impl: declared true there, all three pass."""
     cfg = _config("lossless")
     cfg.model_config.hf_text_config = SimpleNamespace(sliding_window=4096)
     with pytest.raises(ValueError, match="sliding-window"):
         settings.resolve(cfg)
     assert "sliding" in (hooks.layer_refusal(LAYER._replace(has_sliding_window=True), GlydAttentionBackend) or "")
-    for backend in BACKENDS:
-        monkeypatch.setattr(backend, "supports_sliding_window", classmethod(lambda cls: True))
+    monkeypatch.setattr(page_facts.PageFacts, "supports_sliding_window", classmethod(lambda cls: True))
     assert settings.resolve(cfg).mode == "lossless"
     assert hooks.layer_refusal(LAYER._replace(has_sliding_window=True), GlydAttentionBackend) is None
     assert capabilities.impl_refusal(GlydGPUAttentionBackend, 8, 2, AttentionType.DECODER, sliding_window=64) is None
