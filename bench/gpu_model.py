@@ -2,9 +2,10 @@
 cache at the largest batch of 8k-token sequences its memory holds (docs/gpu.md, "Throughput model").
 
 step = 36 x (attention + page write + qkv + o + gate_up + down) + lm_head, every part timed in the same run at the
-batch its cache holds: attention is bench/gpu.py's decode-attention row at that batch (vLLM's Triton kernel on bf16
-pages for the bf16 cache), the page write is one decode token a sequence, the linears are cuBLAS on bf16 weights
-(the same weights for every cache: the model compares caches). Norms, rotary, activation, sampling and vLLM's own
+batch its cache holds: attention is bench/gpu.py's decode-attention row at that batch (FlashAttention 3 on bf16 pages
+for the bf16 cache, the faster of its two calls; vLLM's Triton kernel where FlashAttention 3 was not run), the page
+write is one decode token a sequence, the linears are cuBLAS on bf16 weights (the same weights for every cache: the
+model compares caches). Norms, rotary, activation, sampling and vLLM's own
 bf16 cache write are left out, which favours bf16. tokens/s = batch / step.
 """
 
@@ -15,6 +16,7 @@ from collections.abc import Callable
 
 import torch
 
+from bench.gpu_bars import bf16_attention_ms
 from bench.gpu_linear import SHAPES
 from bench.gpu_pools import CONTEXT, LAYERS, Code, Pools, bench_fn
 from glyd_engine.format.kv_page import TILE
@@ -96,7 +98,7 @@ def write_ms(code: Code, rows: int, dev: str) -> dict[str, float]:
 
 def throughput_model(pools: Pools, attention_row: Callable[[int, int], dict[str, object]], dev: str, kv_gib: float,
                      heads: int, head_size: int) -> dict[str, object]:
-    """Each cache's batch, per-layer times, step and tokens a second; ratios against the bf16 cache (vLLM's kernel),
+    """Each cache's batch, per-layer times, step and tokens a second; ratios against the bf16 cache (FlashAttention 3),
     with the page write as its kernel alone, and whether the backend's call waits (`write_ms`). `attention_row`
     (batch, context) is bench/gpu.py's timed row: every kernel at that shape, side by side."""
     sizes = batches(kv_gib, pools, heads, head_size)
@@ -105,7 +107,7 @@ def throughput_model(pools: Pools, attention_row: Callable[[int, int], dict[str,
     result: dict[str, object] = {"kv_gib": kv_gib, "context": CONTEXT, "layers": LAYERS, "caches": {}}
     for name, s in sizes.items():
         row = attn_rows[s]
-        attn = row.get("vllm_ms", math.nan) if name == "bf16" else row[f"{name}_ms"]
+        attn = (bf16_attention_ms(row) or math.nan) if name == "bf16" else row[f"{name}_ms"]
         lin = linear_ms(s, dev, tgen)
         write = {"kernel": 0.0} if name == "bf16" else write_ms(
             pools.codes[int(name[4:])], s, dev)

@@ -34,9 +34,11 @@ def bench_fn(fn: Callable[[], object]) -> float:
 
 
 class Source:
-    """Resamples recorded K/V rows into [N, 8, 128] bf16 with the recorded per-channel statistics."""
+    """Resamples recorded K/V rows into [N, 8, 128] bf16 with the recorded per-channel statistics. `shift` scales
+    every value by 2**shift, exactly (bf16 keeps the mantissa): every exponent moves by `shift`, so tables
+    calibrated on the unscaled values see many escapes (the high-escape regime of bench/gpu.py)."""
 
-    def __init__(self, layer: int, device: str, seed: int = 0) -> None:
+    def __init__(self, layer: int, device: str, seed: int = 0, shift: int = 0) -> None:
         from safetensors.torch import load_file
 
         rec = load_file(str(SAMPLES))
@@ -44,8 +46,15 @@ class Source:
         for kv in ("k", "v"):
             x = rec[f"{kv}{layer}"]  # [T, 3, 64]
             heads = [torch.cat([x[:, h % 3], x[:, (h + 1) % 3]], dim=-1) for h in range(H)]
-            tiled.append(torch.stack(heads, dim=1).to(device))  # [T, 8, 128]
+            t = torch.stack(heads, dim=1)  # [T, 8, 128]
+            if shift:
+                scaled = (t.float() * 2.0**shift).to(torch.bfloat16)
+                if not torch.equal(scaled.float(), t.float() * 2.0**shift):
+                    raise ValueError(f"layer {layer} scaled by 2**{shift} is not exact in bf16")
+                t = scaled
+            tiled.append(t.to(device))
         self.k, self.v = tiled
+        self.layer, self.shift = layer, shift
         self.n = self.k.shape[0]
         self.gen = torch.Generator(device=device).manual_seed(seed)
         self.device = device
@@ -63,9 +72,8 @@ class Source:
         return kp.best_windows(torch.stack(counts), code_bits)  # [2, H, D]
 
 
-def reserve_for(src: Source, tops: torch.Tensor, code_bits: int) -> tuple[int, dict[str, float]]:
-    """The reserve (entries a tile): the 3-bit code's as large as MAX_BITS allows (a tile past its list costs the
-    kernel dependent loads), the 4-bit code's the calibration rule's (mean + one standard deviation)."""
+def escape_stats(src: Source, tops: torch.Tensor, code_bits: int) -> dict[str, float]:
+    """Escapes of 64k tokens drawn from `src` under the window tops: rates of K, V and both, entries a 16-token tile."""
     w = kp.window(code_bits)
     k, v = src.draw(4096 * 16)
     low = tops.to(k.device).to(torch.int32) - (w - 1)
@@ -74,14 +82,21 @@ def reserve_for(src: Source, tops: torch.Tensor, code_bits: int) -> tuple[int, d
         e = (x.view(torch.int16).to(torch.int32) >> 7) & 0xFF
         esc.append(((e < low[kv]) | (e >= low[kv] + w)).view(-1, 16, H, D).sum((1, 3)).float())  # [tiles, H]
     per_tile = (esc[0] + esc[1]).flatten()
-    mean = float(per_tile.mean())
+    k_rate, v_rate = float(esc[0].mean() / (16 * D)), float(esc[1].mean() / (16 * D))
+    return {"k_escape_rate": k_rate, "v_escape_rate": v_rate, "escape_rate": (k_rate + v_rate) / 2,
+            "entries_a_tile_mean": float(per_tile.mean()), "entries_a_tile_p90": float(per_tile.quantile(0.9)),
+            "entries_a_tile_max": float(per_tile.max())}
+
+
+def reserve_for(src: Source, tops: torch.Tensor, code_bits: int) -> tuple[int, dict[str, float]]:
+    """The reserve (entries a tile): the 3-bit code's as large as MAX_BITS allows (a tile past its list costs the
+    kernel dependent loads), the 4-bit code's the calibration rule's (mean + one standard deviation)."""
+    stats = escape_stats(src, tops, code_bits)
+    mean = stats["entries_a_tile_mean"]
     if code_bits == 3:
         reserve = max(r for r in range(4, 400, 8) if bits_per_value(kp.KVPageLayout(D, B, r, 3)) <= MAX_BITS)
     else:
         reserve = kp.valid_reserve(math.ceil(mean + math.sqrt(mean)))
-    stats = {"k_escape_rate": float(esc[0].mean() / (16 * D)), "v_escape_rate": float(esc[1].mean() / (16 * D)),
-             "entries_a_tile_mean": mean, "entries_a_tile_p90": float(per_tile.quantile(0.9)),
-             "entries_a_tile_max": float(per_tile.max())}
     return reserve, stats
 
 
@@ -93,10 +108,15 @@ def bits_per_value(lay: kp.KVPageLayout) -> float:
 class Code:
     """One page code (3 or 4 bits) over the shared source data: its layout, its pool written by the CUDA writer."""
 
-    def __init__(self, code_bits: int, src: Source, nblocks: int, dev: str) -> None:
+    def __init__(self, code_bits: int, src: Source, nblocks: int, dev: str, calib: Source | None = None) -> None:
+        """Tables (window tops, reserve) from `calib` (default: `src`, whose tokens the pool holds), as the product
+        calibrates on some text and then holds any; the escape figures are those of `src` under those tables."""
         self.bits = code_bits
-        tops = src.tops(code_bits)
-        reserve, stats = reserve_for(src, tops, code_bits)
+        calib = src if calib is None else calib
+        tops = calib.tops(code_bits)
+        reserve, stats = reserve_for(calib, tops, code_bits)
+        if calib is not src:
+            stats = escape_stats(src, tops, code_bits)
         self.lay = kp.KVPageLayout(D, B, reserve, code_bits)
         self.tops = tops.to(dev)
         self.info = {"reserve": reserve, "token_bytes": self.lay.token_bytes, "bits_per_value": bits_per_value(
@@ -129,13 +149,15 @@ class Pools:
         return self.k.shape[0]
 
 
-def fill_pools(src: Source, code_bits: list[int], max_tokens: int, dev: str) -> Pools:
-    """Every code's pages written by the CUDA writer from the same tokens as the bf16 pool, 32k tokens a call."""
+def fill_pools(src: Source, code_bits: list[int], max_tokens: int, dev: str, calib: Source | None = None) -> Pools:
+    """Every code's pages written by the CUDA writer from the same tokens as the bf16 pool, 32k tokens a call (each
+    code's tables calibrated on `calib`, default `src`)."""
+    chunk = 32768
+    max_tokens = -(-max_tokens // chunk) * chunk  # whole chunks: every block of the pool holds written tokens
     nblocks = max_tokens // B
     k_pool = torch.empty(nblocks, B, H, D, dtype=torch.bfloat16, device=dev)
     v_pool = torch.empty_like(k_pool)
-    codes = {cb: Code(cb, src, nblocks, dev) for cb in code_bits}
-    chunk = 32768
+    codes = {cb: Code(cb, src, nblocks, dev, calib) for cb in code_bits}
     for start in range(0, max_tokens, chunk):
         k, v = src.draw(chunk)
         k_pool.view(-1, H, D)[start : start + chunk] = k
