@@ -115,12 +115,12 @@ def attention_failures(rows: Sequence[Row], codes: Iterable[int], cells: Iterabl
                 fails.append(f"{where}: {cb}-bit code not timed")
                 continue
             if has_fa3 and base is not None and not base / ms >= bar:
-                fails.append(f"{where}: {cb}-bit {base / ms:.3f}x FlashAttention 3, bar {bar:.2f}x")
+                fails.append(f"{where}: {cb}-bit {base / ms:.4f}x FlashAttention 3, bar {bar:.2f}x")
             if read_only_tbps is not None and b >= bars.read_batch and c >= bars.read_context:
                 tbps = number(row, f"code{cb}_TBps")
                 frac = None if tbps is None else tbps / read_only_tbps
                 if frac is None or not frac >= bars.of_read_only:
-                    shown = "no rate" if frac is None else f"{frac:.1%}"
+                    shown = "no rate" if frac is None else f"{frac:.2%}"
                     fails.append(f"{where}: {cb}-bit reads compressed bytes at {shown} of the read-only rate, "
                                  f"bar {bars.of_read_only:.0%}")
     return fails
@@ -227,6 +227,8 @@ def judge(result: Mapping[str, object], codes: Sequence[int], cells: Sequence[Ce
     has_fa3 = isinstance(fa3, Mapping) and fa3.get("available") is True
     fails = [] if has_fa3 else ["FlashAttention 3 was not run (--no-fa3 or unavailable): the bars against it "
                                 "are not judged"]
+    if full_grid(codes, cells) and not high_escape_cells:
+        fails.append("no high-escape regime timed (--high-escape-cells empty) in a full-grid run")
     ro = result.get("read_only")
     read_tbps = number(ro, "TBps") if isinstance(ro, Mapping) else None
     if isinstance(ro, Mapping) and "error" in ro:
