@@ -436,7 +436,7 @@ def time_row(S: int, L: int, pools: Pools, base: Baseline, fa3: FA3 | None, gen:
 
 
 def _x(num: float | None, den: float | None) -> str:
-    return "-" if num is None or den is None else f"{num / den:.2f}x"
+    return "-" if num is None or den is None else f"{num / den:.3f}x"
 
 
 def print_table(rows: list[dict[str, object]], cbs: list[int], read_tbs: float | None, splits: list[int]) -> None:
@@ -535,7 +535,6 @@ def main_grid(args: argparse.Namespace, fa3_fns: tuple[Callable[..., object], Ca
         steps = [gpu_graph.step_times(code, S, H, HQ, SCALE, pools.nblocks, ggen, dev) for S in args.graph_batches]
         log("graph_steps", steps, out)
         gpu_graph.print_steps(steps)
-
 
 
 def main() -> int:
