@@ -44,6 +44,9 @@ if importlib.util.find_spec("vllm") is None:  # no vLLM staged: vLLM's Triton ke
 
 import torch  # noqa: E402
 
+from bench.tree import bind_kernels  # noqa: E402
+
+bind_kernels()  # the kernels of this tree, installed or not
 from bench import gpu_bars, gpu_graph, gpu_model  # noqa: E402
 from bench.gpu_pools import (  # noqa: E402
     CONTEXT,

@@ -27,6 +27,9 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from bench.tree import bind_kernels  # noqa: E402
+
+bind_kernels()  # the kernels of this tree, installed or not
 from glyd_engine.format import fragment_weight as fw  # noqa: E402
 from glyd_engine.format import resident  # noqa: E402
 from glyd_kernels import matmul_cuda as mc  # noqa: E402
