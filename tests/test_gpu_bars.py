@@ -277,3 +277,18 @@ def test_the_bench_parses_its_options_without_a_gpu() -> None:
         gpu.parse_args(["--cells", "64"])
     with pytest.raises(SystemExit):
         gpu.parse_args(["--codes", "5"])
+
+
+def test_the_benchmarks_time_this_trees_kernels_and_refuse_others() -> None:
+    """bench/tree.py binds glyd_kernels to this tree's kernels/ whether installed or not, and refuses a glyd_kernels
+    already imported from elsewhere (an older install on the device)."""
+    code = ("import sys, types; sys.path.insert(0, {root!r}); from bench.tree import bind_kernels; {pre}"
+            "bind_kernels(); import glyd_kernels.nvrtc as n; print(n.__file__)")
+    ok = subprocess.run([sys.executable, "-c", code.format(root=str(ROOT), pre="")], capture_output=True, text=True,
+                        timeout=120)
+    assert ok.returncode == 0 and Path(ok.stdout.strip()) == ROOT / "kernels" / "nvrtc.py", ok.stderr
+    stale = ("m = types.ModuleType('glyd_kernels'); m.__file__ = '/tmp/site/glyd_kernels/__init__.py'; "
+             "sys.modules['glyd_kernels'] = m; ")
+    bad = subprocess.run([sys.executable, "-c", code.format(root=str(ROOT), pre=stale)], capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode != 0 and "not from this tree's" in bad.stderr
