@@ -17,6 +17,8 @@ from dataclasses import dataclass
 GRID_BATCHES = (1, 8, 32, 64, 128)
 GRID_CONTEXTS = (1024, 8192, 32768)
 GRID_CODES = (3, 4)
+LINEAR_SHAPES = ("qkv", "o", "gate_up", "down")  # Qwen3-8B's linears (bench/gpu_linear.py)
+LINEAR_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 FA3_COLUMNS = ("fa3_ms", "fa3_sched_ms")  # the call of the issue; vLLM's full-graph decode call (AOT schedule)
 Cell = tuple[int, int]  # (batch, context)
 Row = Mapping[str, object]
@@ -35,6 +37,10 @@ class Bars:
     read_context: int = 8192
     high_escape_min_rate: float = 0.01  # a regime below this escape rate is no high-escape regime
     sched_err_factor: float = 2.0  # vLLM's scheduled FA3 call must compute what the plain call computes
+    linear_few: float = 1.25  # the Glyd matmul over cuBLAS on bf16 at 1..linear_few_rows rows of x
+    linear_few_rows: int = 16
+    linear_many: float = 1.0  # ... and above, up to linear_max_rows (larger: prefill, not judged)
+    linear_max_rows: int = 128
 
 
 BARS = Bars()
@@ -243,4 +249,34 @@ def judge(result: Mapping[str, object], codes: Sequence[int], cells: Sequence[Ce
     regimes = result.get("high_escape")
     fails += high_escape_failures(regimes if isinstance(regimes, list) else [], codes, high_escape_cells, has_fa3,
                                   bars)
+    return fails
+
+
+def linear_failures(result: Mapping[str, object], shapes: Iterable[str], rows: Iterable[int],
+                    bars: Bars = BARS) -> list[str]:
+    """bench/gpu_linear.py's run (its gpu_linear.json): the default CUDA build over cuBLAS at each shape and row count
+    up to linear_max_rows, and every check it logged (`*_ok`, `*_bit_exact`: decoded bits equal) true."""
+    fails = []
+    for key, checks in result.items():
+        if key.startswith("checks_") and isinstance(checks, Mapping):
+            fails += [f"{key[7:]}: {k} failed" for k, v in checks.items()
+                      if (k.endswith("_ok") or k.endswith("_bit_exact")) and v is not True]
+    table = result.get("table")
+    table = table if isinstance(table, list) else []
+    for name in shapes:
+        checks = result.get(f"checks_{name}")
+        if not isinstance(checks, Mapping) or checks.get("fragment_decode_bit_exact") is not True:
+            fails.append(f"{name}: fragment decode not checked bit for bit")
+        for m in rows:
+            if m > bars.linear_max_rows:
+                continue
+            row = next((r for r in table if r.get("shape") == name and r.get("M") == m), None)
+            ref = None if row is None else number(row, "cublas_ms")
+            ms = None if row is None else number(row, "cuda_ms")
+            if ref is None or ms is None:
+                fails.append(f"{name} at {m} rows: not timed")
+                continue
+            bar = bars.linear_few if m <= bars.linear_few_rows else bars.linear_many
+            if not ref / ms >= bar:
+                fails.append(f"{name} at {m} rows: {ref / ms:.4f}x cuBLAS, bar {bar:.2f}x")
     return fails

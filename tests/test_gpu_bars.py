@@ -292,3 +292,39 @@ def test_the_benchmarks_time_this_trees_kernels_and_refuse_others() -> None:
     bad = subprocess.run([sys.executable, "-c", code.format(root=str(ROOT), pre=stale)], capture_output=True,
                          text=True, timeout=120)
     assert bad.returncode != 0 and "not from this tree's" in bad.stderr
+
+
+def _linear(margin: float = 1.01) -> dict[str, Any]:
+    """A gpu_linear.json that clears the matmul bars by `margin` at every shape and row count."""
+    result: dict[str, Any] = {"table": []}
+    for name in gb.LINEAR_SHAPES:
+        result[f"checks_{name}"] = {"fragment_decode_bit_exact": True, "resident_decode_bit_exact": True,
+                                    **{f"cuda_m{m}_ok": True for m in gb.LINEAR_ROWS}}
+        for m in gb.LINEAR_ROWS:
+            bar = gb.BARS.linear_few if m <= gb.BARS.linear_few_rows else gb.BARS.linear_many
+            result["table"].append({"shape": name, "M": m, "cublas_ms": 0.05, "cuda_ms": 0.05 / (bar * margin)})
+        result["table"].append({"shape": name, "M": 512, "cublas_ms": 0.5, "cuda_ms": 1.0})  # prefill: not judged
+    result["checks_embedding"] = {"gather_m1_bit_exact": True, "gather_m1_ms": 0.01}
+    return result
+
+
+def _linear_row(result: dict[str, Any], name: str, m: int) -> dict[str, Any]:
+    return next(r for r in result["table"] if (r["shape"], r["M"]) == (name, m))
+
+
+def test_the_matmul_bars() -> None:
+    shapes, rows = gb.LINEAR_SHAPES, gb.LINEAR_ROWS
+    assert gb.linear_failures(_linear(), shapes, rows) == []
+    result = _linear()
+    _linear_row(result, "down", 16)["cuda_ms"] = 0.05 / (1.25 * 0.9999)
+    _linear_row(result, "qkv", 17 if 17 in rows else 32)["cuda_ms"] = 0.05 / 0.9999
+    assert gb.linear_failures(result, shapes, rows) == ["qkv at 32 rows: 0.9999x cuBLAS, bar 1.00x",
+                                                        "down at 16 rows: 1.2499x cuBLAS, bar 1.25x"]
+    result = _linear()
+    result["checks_o"]["cuda_m8_ok"] = False
+    result["checks_embedding"]["gather_m1_bit_exact"] = False
+    result["table"] = [r for r in result["table"] if (r["shape"], r["M"]) != ("gate_up", 128)]
+    assert gb.linear_failures(result, shapes, rows) == ["o: cuda_m8_ok failed", "embedding: gather_m1_bit_exact failed",
+                                                        "gate_up at 128 rows: not timed"]
+    del result["checks_qkv"]
+    assert "qkv: fragment decode not checked bit for bit" in gb.linear_failures(result, shapes, rows)
