@@ -57,7 +57,8 @@ def _engine(spec: dict[str, Any]) -> Any:
     for key in ("kernels", "code", "weights"):
         if spec.get(key):
             glyd[key] = str(spec[key])
-    extra: dict[str, Any] = {k: int(spec[k]) for k in ("max_num_seqs", "block_size") if spec.get(k)}
+    extra: dict[str, Any] = {k: int(spec[k]) for k in ("max_num_seqs", "block_size", "tensor_parallel_size",
+                                                        "pipeline_parallel_size") if spec.get(k)}
     for key in ("quantization", "attention_backend"):
         if spec.get(key):
             extra[key] = spec[key]
