@@ -88,8 +88,6 @@ def test_kernel_choice_by_platform_and_refusals(monkeypatch: pytest.MonkeyPatch)
 
 
 @pytest.mark.parametrize(("change", "needle"), [
-    (lambda c: setattr(c.parallel_config, "tensor_parallel_size", 2), "tensor parallel size 2"),
-    (lambda c: setattr(c.parallel_config, "pipeline_parallel_size", 2), "pipeline parallel"),
     (lambda c: setattr(c.parallel_config, "decode_context_parallel_size", 2), "decode context parallel"),
     (lambda c: setattr(c.parallel_config, "enable_dbo", True), "micro-batching"),
     (lambda c: setattr(c, "kv_transfer_config", object()), "KV transfer"),
@@ -238,9 +236,10 @@ def test_page_size_does_not_depend_on_block_size() -> None:
 
     from glyd_engine.tables.kv_tables import KVTables
     from glyd_engine.vllm_plugin import backend, state
+    from glyd_engine.vllm_plugin.rank_share import RankShare
 
     tables = KVTables.uniform(2, 3, 64)
-    state._current = tables
+    state._current = state.RankTables(tables, RankShare.whole(2, 3))
     try:
         for bs in (1, 16, 128):
             spec = FullAttentionSpec(block_size=bs, num_kv_heads=3, head_size=64, dtype=torch.bfloat16)
