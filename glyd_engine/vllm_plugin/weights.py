@@ -9,7 +9,9 @@ equal the bf16 model's bit for bit. On CUDA a weight whose shape allows it is he
 instead (format/fragment_weight.py, `GLYD_WEIGHT_LAYOUT`): the CUDA matmul (kernels/matmul_cuda.py) decodes it
 in registers for 1-64 rows of x, larger batches decode it once and run vLLM's GEMM; other weights run the
 Triton kernels (kernels/resident_linear.py). An embedding in the fragment layout decodes only the rows a batch
-looks up (the resident one too, on the CPU); a tied lm_head reads the embedding's weight.
+looks up (the resident one too, on the CPU); a tied lm_head reads the embedding's weight. Under tensor parallelism
+each rank keeps its split of every packed tensor (vLLM's own split: `Split`), decoded from the split's chunks only,
+and the ranks check each tensor's crc32 together (format/weight_shard.py).
 """
 
 from __future__ import annotations
