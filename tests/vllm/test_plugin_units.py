@@ -418,3 +418,14 @@ def test_weights_mode_from_either_setting(monkeypatch: pytest.MonkeyPatch) -> No
     assert settings.weights_mode(_config(additional_config={"glyd": {"weights": "lossless"}})) == "lossless"
     with pytest.raises(ValueError, match=r"glyd.weights='fast' is not a Glyd weights mode; use one of auto, lossless"):
         settings.weights_mode(_config(additional_config={"glyd": {"weights": "fast"}}))
+
+
+def test_a_ranks_kv_heads_follow_vllms_split() -> None:
+    """Consecutive heads a rank; fewer KV heads than ranks: each head on tp / heads consecutive ranks (vLLM's
+    QKVParallelLinear), so a rank's table slice is its heads' own."""
+    from glyd_engine.vllm_plugin.rank_share import kv_heads_of_rank
+
+    assert [kv_heads_of_rank(8, 2, r) for r in range(2)] == [range(0, 4), range(4, 8)]
+    assert [kv_heads_of_rank(2, 4, r) for r in range(4)] == [range(0, 1), range(0, 1), range(1, 2), range(1, 2)]
+    with pytest.raises(ValueError, match="3 KV heads cannot be split evenly over 2 ranks"):
+        kv_heads_of_rank(3, 2, 0)
