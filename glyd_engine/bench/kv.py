@@ -57,7 +57,8 @@ def _engine(spec: dict[str, Any]) -> Any:
     for key in ("kernels", "code", "weights"):
         if spec.get(key):
             glyd[key] = str(spec[key])
-    extra: dict[str, Any] = {k: int(spec[k]) for k in ("max_num_seqs", "block_size") if spec.get(k)}
+    extra: dict[str, Any] = {k: int(spec[k]) for k in ("max_num_seqs", "block_size", "tensor_parallel_size",
+                                                        "pipeline_parallel_size") if spec.get(k)}
     for key in ("quantization", "attention_backend"):
         if spec.get(key):
             extra[key] = spec[key]
@@ -210,10 +211,12 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
     if llm.llm_engine.vllm_config.model_config.quantization == "glyd":
         from glyd_engine.vllm_plugin.weights import worker_weight_bytes
 
-        res["weights"] = llm.collective_rpc(worker_weight_bytes)[0]
+        by_rank = llm.collective_rpc(worker_weight_bytes)
+        res["weights"], res["weights_by_rank"] = by_rank[0], by_rank
     if spec["mode"] != "off":
-        from glyd_engine.vllm_plugin.state import worker_stats
+        from glyd_engine.vllm_plugin.state import worker_share, worker_stats
 
+        res["kv_shares"] = llm.collective_rpc(worker_share)  # each worker's layers and KV heads of the tables
         stats = llm.collective_rpc(worker_stats)
         res["stats"] = {k: sum(int(s[k]) for s in stats) for k in stats[0]} if stats else {}
     res["total_s"] = round(time.monotonic() - t0, 1)

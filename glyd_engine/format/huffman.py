@@ -140,18 +140,26 @@ def encode(symbols: torch.Tensor, lengths: torch.Tensor, chunk: int,
 def decode(words: torch.Tensor, offsets: torch.Tensor, lengths: torch.Tensor, n: int, chunk: int,
            lanes: int = 1 << 14) -> torch.Tensor:
     """Inverse of `encode`: uint8[n]. `lanes` chunks decode together (bounded memory)."""
+    n_chunks = offsets.numel() - 1
+    if n_chunks != (n + chunk - 1) // chunk:
+        raise ValueError("offsets do not match the value count")
+    return decode_chunks(words, offsets, lengths, torch.arange(n_chunks), chunk, lanes)[:n]
+
+
+def decode_chunks(words: torch.Tensor, offsets: torch.Tensor, lengths: torch.Tensor, chunks: torch.Tensor, chunk: int,
+                  lanes: int = 1 << 14) -> torch.Tensor:
+    """The symbols of the chunks numbered `chunks` only (ascending or not), uint8[len(chunks) * chunk]: a shard of
+    a tensor decodes the chunks that hold it and no other. A last, partial chunk's tail past the stream is junk."""
     table = decode_table(lengths).to(torch.int64)
     w64 = words.to(torch.int64) & 0xFFFFFFFF
     # pair[i] = words i and i+1 as one 64-bit window: one gather a step instead of two.
     pair = (w64 << 32) | torch.cat([w64[1:], torch.zeros(1, dtype=torch.int64)])
     last = pair.numel() - 1
-    n_chunks = offsets.numel() - 1
-    if n_chunks != (n + chunk - 1) // chunk:
-        raise ValueError("offsets do not match the value count")
-    out = torch.empty(n_chunks * chunk, dtype=torch.uint8)
+    starts = offsets.to(torch.int64)[chunks.to(torch.int64)]
+    out = torch.empty(starts.numel() * chunk, dtype=torch.uint8)
     mask = (1 << MAX_CODE_LEN) - 1
-    for c0 in range(0, n_chunks, lanes):
-        pos = offsets[c0 : min(n_chunks, c0 + lanes)].to(torch.int64).clone()
+    for c0 in range(0, starts.numel(), lanes):
+        pos = starts[c0 : c0 + lanes].clone()
         steps = []
         for _ in range(chunk):
             window = pair[torch.clamp(pos >> 5, max=last)]
@@ -160,4 +168,4 @@ def decode(words: torch.Tensor, offsets: torch.Tensor, lengths: torch.Tensor, n:
             pos += entry >> 8
         block = (torch.stack(steps, dim=1) & 0xFF).to(torch.uint8)
         out[c0 * chunk : c0 * chunk + block.numel()] = block.reshape(-1)
-    return out[:n]
+    return out

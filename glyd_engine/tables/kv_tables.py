@@ -86,6 +86,17 @@ class KVTables:
         """Order-0 exponent entropy per channel, averaged, plus the 8 sign/mantissa bits."""
         return 8.0 + float(self.floor[:, kv].mean())
 
+    def select(self, layers: range, kv_heads: range) -> KVTables:
+        """The tables of some layers and KV heads (a tensor/pipeline-parallel worker's share), copied so the rest
+        can be freed. The escape reserve stays the whole model's, so every worker's page size is the same."""
+        if layers.step != 1 or kv_heads.step != 1 or not (0 <= layers.start < layers.stop <= self.num_layers) or not (
+                0 <= kv_heads.start < kv_heads.stop <= self.num_kv_heads):
+            raise ValueError(f"layers {layers} and KV heads {kv_heads} are not a slice of tables for "
+                             f"{self.num_layers} layers and {self.num_kv_heads} KV heads")
+        cut = (slice(layers.start, layers.stop), slice(None), slice(kv_heads.start, kv_heads.stop))
+        return KVTables({b: t[cut].clone() for b, t in self.tops.items()}, self.floor[cut].clone(), dict(self.reserve),
+                        self.fingerprint, self.window, self.tokens, self.build_seconds)
+
     @property
     def nbytes(self) -> int:
         """Bytes one code's tables take in memory while serving (its window tops)."""

@@ -98,6 +98,12 @@ def register() -> None:
             register_backend(name, path)
     assert platform_cls is not None  # missing_hooks() names vllm.platforms when it cannot be imported
     hooks.install(platform_cls)
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        from glyd_engine.vllm_plugin import cpu_pipeline
+
+        cpu_pipeline.install()
     _registered = True
 
 

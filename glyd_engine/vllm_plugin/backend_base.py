@@ -35,10 +35,10 @@ class GlydBackendBase(PageFacts):
         """Pages of C bytes a token and KV head; C does not depend on the block size (asked with 1 too)."""
         tables = state.current_tables()
         if tables is None:
-            tables = state.load_tables(get_current_vllm_config().model_config.model)
+            tables = state.rank_tables(get_current_vllm_config().model_config.model)
         if spec.head_size != tables.head_size or spec.num_kv_heads != tables.num_kv_heads:
-            raise ValueError(f"Glyd KV tables are for {tables.num_kv_heads} KV heads of size {tables.head_size}, "
-                             f"the layer has {spec.num_kv_heads} of size {spec.head_size}")
+            raise ValueError(f"Glyd KV tables hold {tables.num_kv_heads} KV heads of size {tables.head_size} for this "
+                             f"worker, the layer has {spec.num_kv_heads} of size {spec.head_size}")
         from vllm.config import get_current_vllm_config_or_none
 
         # vLLM sizes pages with no current config: the config this process decided for has the engine's settings

@@ -220,7 +220,7 @@ class GlydGPUAttentionImpl(AttentionImpl):
         cfg = get_current_vllm_config()
         self.check = settings.check_enabled(cfg)
         self.impl = "torch" if settings.kernels(cfg) == "reference" else "cuda"
-        self.tables = state.load_tables(cfg.model_config.model)
+        self.tables = state.rank_tables(cfg.model_config.model)  # this worker's layers and KV heads
         self.code_bits = settings.code_bits(cfg)
         self._fa_impl: Any = None
         if self.impl == "cuda":

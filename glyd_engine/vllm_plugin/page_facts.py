@@ -101,7 +101,7 @@ class PageFacts:
     # -- engine-wide facts vLLM's backends do not declare ---------------------------------------------------
     @classmethod
     def supports_tensor_parallel(cls) -> bool:
-        return False
+        return False  # the CUDA backend has not run on several GPUs yet; the CPU backend declares it
 
     @classmethod
     def supports_pipeline_parallel(cls) -> bool:
@@ -148,6 +148,14 @@ class TorchPageFacts(PageFacts):
     @classmethod
     def supports_alibi(cls) -> bool:
         return True  # vLLM's own CPU kernel runs on the decoded pages
+
+    @classmethod
+    def supports_tensor_parallel(cls) -> bool:
+        return True  # a rank's pages hold its KV heads, coded with their slice of the tables (state.rank_tables)
+
+    @classmethod
+    def supports_pipeline_parallel(cls) -> bool:
+        return True  # a stage's pages and tables are its layers' only
 
     @classmethod
     def supports_logits_soft_cap(cls) -> bool:

@@ -17,12 +17,14 @@ import torch
 
 from glyd_engine.format.kv_page import KVPageCodec, OverflowStore
 from glyd_engine.tables.kv_tables import KVTables
+from glyd_engine.vllm_plugin.rank_share import RankShare, current_share
 
 log = logging.getLogger("vllm.glyd")
 
 _lock = threading.Lock()
 _tables: dict[str, KVTables] = {}
-_current: KVTables | None = None
+_rank_tables: dict[str, RankTables] = {}
+_current: RankTables | None = None
 
 
 def model_dir(model: str) -> Path:
@@ -44,30 +46,77 @@ def _log_progress(event: Any) -> None:
         log.info("Glyd KV tables: %s %s", event.phase, pct)
 
 
+def _read_tables(model: str) -> KVTables:
+    """The model's whole tables from the cache, built on the first start (minutes, logged). Callers hold _lock."""
+    from glyd_engine.tables import ensure_tables
+
+    d = model_dir(model)
+    building: list[bool] = []
+
+    def progress(event: Any) -> None:  # only a build reports progress: its first event says so
+        if not building:
+            building.append(True)
+            log.info("Glyd KV tables for %s are not cached yet: building them once (a few minutes)", d)
+        _log_progress(event)
+
+    tables = ensure_tables(d, progress=progress)
+    log.info("Glyd KV tables %s: %s", "built" if building else "loaded", tables.describe())
+    return tables
+
+
 def load_tables(model: str) -> KVTables:
-    """The model's KV tables: cached on disk by fingerprint, built on the first start (minutes, logged)."""
-    global _current
+    """The model's KV tables, all layers and KV heads (page sizes, reports): cached on disk by fingerprint."""
     with _lock:
         if model not in _tables:
-            from glyd_engine.tables import ensure_tables
+            _tables[model] = _read_tables(model)
+        return _tables[model]
 
-            d = model_dir(model)
-            building: list[bool] = []
 
-            def progress(event: Any) -> None:  # only a build reports progress: its first event says so
-                if not building:
-                    building.append(True)
-                    log.info("Glyd KV tables for %s are not cached yet: building them once (a few minutes)", d)
-                _log_progress(event)
+@dataclass(frozen=True)
+class RankTables:
+    """The tables of the layers and KV heads this worker holds (its tensor/pipeline-parallel share), indexed by the
+    model's own layer numbers."""
 
-            tables = ensure_tables(d, progress=progress)
-            log.info("Glyd KV tables %s: %s", "built" if building else "loaded", tables.describe())
-            _tables[model] = tables
-        _current = _tables[model]
+    tables: KVTables
+    share: RankShare
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.tables.num_kv_heads
+
+    @property
+    def head_size(self) -> int:
+        return self.tables.head_size
+
+    def token_bytes(self, code_bits: int = 3) -> int:
+        return self.tables.token_bytes(code_bits)
+
+    def codec(self, layer: int, block_size: int, code_bits: int = 3) -> KVPageCodec:
+        """The codec of the model's layer `layer` (a layer outside this worker's stage is an error)."""
+        if layer not in self.share.layers:
+            raise ValueError(f"layer {layer} is not in this worker's pipeline stage (layers {self.share.layers.start}"
+                             f"-{self.share.layers.stop - 1})")
+        return self.tables.codec(layer - self.share.layers.start, block_size, code_bits)
+
+
+def rank_tables(model: str) -> RankTables:
+    """This worker's share of the model's tables: its stage's layers and its rank's KV heads only (the whole file is
+    read and checked, then only the share is kept)."""
+    global _current
+    with _lock:
+        if model not in _rank_tables:
+            whole = _tables.get(model) or _read_tables(model)
+            share = current_share(whole.num_layers, whole.num_kv_heads)
+            mine = whole if share == RankShare.whole(whole.num_layers, whole.num_kv_heads) else whole.select(
+                share.layers, share.kv_heads)
+            if mine is not whole:
+                log.info("Glyd KV tables: this worker keeps %s", share.describe())
+            _rank_tables[model] = RankTables(mine, share)
+        _current = _rank_tables[model]
         return _current
 
 
-def current_tables() -> KVTables | None:
+def current_tables() -> RankTables | None:
     return _current
 
 
@@ -175,6 +224,22 @@ def settings_hint() -> str:
     from glyd_engine.vllm_plugin.settings import OFF_HINT
 
     return OFF_HINT
+
+
+def worker_share(worker: Any = None) -> dict[str, Any]:
+    """For `llm.collective_rpc(worker_share)`: the layers and KV heads this worker's tables hold, and a digest of
+    its window tops (tests compare it with the whole tables' slice)."""
+    import hashlib
+
+    t = _current
+    if t is None:
+        return {}
+    h = hashlib.sha256()
+    for bits in sorted(t.tables.tops):
+        h.update(t.tables.tops[bits].contiguous().numpy().tobytes())
+    return {"layers": [t.share.layers.start, t.share.layers.stop], "kv_heads": [t.share.kv_heads.start,
+            t.share.kv_heads.stop], "tops_sha256": h.hexdigest(), "token_bytes": {b: t.token_bytes(b) for b in
+                                                                                 sorted(t.tables.tops)}}
 
 
 def worker_stats(worker: Any = None) -> dict[str, int]:

@@ -9,7 +9,9 @@ equal the bf16 model's bit for bit. On CUDA a weight whose shape allows it is he
 instead (format/fragment_weight.py, `GLYD_WEIGHT_LAYOUT`): the CUDA matmul (kernels/matmul_cuda.py) decodes it
 in registers for 1-64 rows of x, larger batches decode it once and run vLLM's GEMM; other weights run the
 Triton kernels (kernels/resident_linear.py). An embedding in the fragment layout decodes only the rows a batch
-looks up (the resident one too, on the CPU); a tied lm_head reads the embedding's weight.
+looks up (the resident one too, on the CPU); a tied lm_head reads the embedding's weight. Under tensor parallelism
+each rank keeps its split of every packed tensor (vLLM's own split: `Split`), decoded from the split's chunks only,
+and the ranks check each tensor's crc32 together (format/weight_shard.py).
 """
 
 from __future__ import annotations
@@ -20,7 +22,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase, UnquantizedLinearMethod
+from vllm.model_executor.layers.linear import (
+    LinearBase,
+    LinearMethodBase,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    UnquantizedLinearMethod,
+)
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from vllm.model_executor.layers.vocab_parallel_embedding import (
@@ -31,6 +40,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
 from glyd_engine.errors import CorruptFileError, RefusedError, UnsupportedModelError
 from glyd_engine.format import FORMAT_VERSION, resident
 from glyd_engine.format import fragment_weight as fw
+from glyd_engine.format import weight_shard as shard
 from glyd_engine.format import weights as wcode
 from glyd_engine.format.checkpoint import MIN_PACKED_VALUES, QUANT_METHOD
 from glyd_engine.vllm_plugin.settings import options, weights_mode
@@ -166,18 +176,51 @@ def _apply(src: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> 
 
 
 # -- loading -------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Split:
+    """Where one output partition of a layer (q, k, v, gate, up, or the whole) lies in the checkpoint's tensor:
+    `full` rows there, this rank's `count` of them from `start`; and likewise the layer's columns."""
+
+    full: int
+    start: int
+    count: int
+
+
+def _partition_splits(layer: torch.nn.Module, local: list[int]) -> list[Split]:
+    """This rank's rows of each output partition, by vLLM's own split (its weight loaders' narrow)."""
+    tp, rank = int(getattr(layer, "tp_size", 1) or 1), int(getattr(layer, "tp_rank", 0) or 0)
+    if tp == 1 or isinstance(layer, RowParallelLinear | ReplicatedLinear):
+        return [Split(n, 0, n) for n in local]
+    if isinstance(layer, VocabParallelEmbedding):
+        idx = layer.shard_indices
+        return [Split(int(layer.org_vocab_size), idx.org_vocab_start_index, idx.num_org_elements)]
+    if isinstance(layer, QKVParallelLinear):
+        kv = rank // layer.num_kv_head_replicas
+        return [Split(layer.total_num_heads * layer.head_size, rank * local[0], local[0]),
+                Split(layer.total_num_kv_heads * layer.head_size, kv * local[1], local[1]),
+                Split(layer.total_num_kv_heads * layer.v_head_size, kv * local[2], local[2])]
+    return [Split(n * tp, rank * n, n) for n in local]  # column-parallel: rank's n rows of each partition
+
+
+def _column_split(layer: torch.nn.Module, local_cols: int) -> Split:
+    if isinstance(layer, RowParallelLinear) and int(getattr(layer, "tp_size", 1) or 1) > 1:
+        return Split(int(layer.input_size), layer.tp_rank * local_cols, local_cols)
+    return Split(local_cols, 0, local_cols)
+
+
 @dataclass
 class _Pending:
-    """A layer's packed parts as they arrive, by shard (a tuple of output-partition indices)."""
+    """A layer's packed parts as they arrive, by shard (a tuple of output-partition indices). Under tensor
+    parallelism every rank receives the checkpoint's whole tensors and keeps its split (`splits`, `cols`)."""
 
     prefix: str
-    partitions: list[int]  # rows of each output partition
-    cols: int
+    splits: list[Split]  # each output partition's rows
+    cols: Split
     pieces: dict[tuple[int, ...], dict[str, torch.Tensor]] = field(default_factory=dict)
 
     def span(self, shard_id: Any) -> tuple[int, ...]:
         if shard_id is None:
-            return tuple(range(len(self.partitions)))
+            return tuple(range(len(self.splits)))
         if isinstance(shard_id, str):
             if shard_id not in QKV_SHARDS:
                 raise UnsupportedModelError(f"{self.prefix}: unknown shard {shard_id!r}")
@@ -191,24 +234,35 @@ class _Pending:
         self.pieces.setdefault(self.span(shard_id), {})[wcode.part_name("weight", part)] = tensor.detach().clone()
 
     def shard_label(self, span: tuple[int, ...]) -> str:
-        if len(self.partitions) == 1:
+        if len(self.splits) == 1:
             return f"{self.prefix}.weight"
-        names = "qkv" if len(self.partitions) == 3 else None
+        names = "qkv" if len(self.splits) == 3 else None
         return f"{self.prefix}.weight (shard {', '.join(names[i] if names else str(i) for i in span)})"
 
-    def build(self) -> resident.ResidentWeight:
-        """Check the arrived parts and re-code them into one resident weight (rows in partition order)."""
+    def window(self, span: tuple[int, ...]) -> shard.Window:
+        """This rank's rows and columns of the checkpoint tensor holding the partitions `span`."""
+        rows, at = [], 0
+        for i in span:
+            s = self.splits[i]
+            rows.append((at + s.start, s.count))
+            at += s.full
+        return shard.Window(tuple(rows), (self.cols.start, self.cols.count), (at, self.cols.full))
+
+    def build(self, crc_group: Any = None) -> resident.ResidentWeight:
+        """Check the arrived parts and re-code this rank's split into one resident weight (rows in partition
+        order). A split decodes only its chunks; its checksum share is checked with the other ranks' over
+        `crc_group` (vLLM's tensor-parallel CPU group), every rank of which builds the same layers in order."""
         if not self.pieces:
             raise CorruptFileError(f"the Glyd checkpoint has no packed weight for {self.prefix}.weight "
                                    f"(expected {self.prefix}.weight_glyd_* or its unfused parts)")
         seen = sorted(i for span in self.pieces for i in span)
-        expected = list(range(len(self.partitions)))
+        expected = list(range(len(self.splits)))
         if seen != expected:
             missing = [self.shard_label((i,)) for i in expected if i not in seen]
             twice = sorted({i for i in seen if seen.count(i) > 1})
             what = f"missing {', '.join(missing)}" if missing else f"shards {twice} loaded twice"
             raise CorruptFileError(f"the Glyd checkpoint does not match the model: {what}")
-        exps, sms = [], []
+        exps, sms, checks = [], [], []
         for span in sorted(self.pieces):
             label, parts = self.shard_label(span), self.pieces[span]
             absent = [wcode.SUFFIX + p for p in wcode.PARTS if wcode.part_name("weight", p) not in parts]
@@ -218,15 +272,39 @@ class _Pending:
                 packed = wcode.PackedTensor.from_parts("weight", parts)
             except CorruptFileError as exc:
                 raise CorruptFileError(f"{label}: {exc}") from exc
-            rows = sum(self.partitions[i] for i in span)
-            if tuple(packed.shape) != (rows, self.cols):
+            win = self.window(span)
+            if tuple(packed.shape) != win.shape:
                 raise CorruptFileError(f"{label}: the checkpoint holds shape {tuple(packed.shape)}, the model "
-                                       f"expects {(rows, self.cols)}")
-            exp, sm = resident.planes_from_packed(packed, label)
+                                       f"expects {win.shape}")
+            if win.is_whole:
+                exp, sm = resident.planes_from_packed(packed, label)
+            else:
+                exp, sm = shard.decode_window(packed, win)
+                checks.append((label, win.shape, packed.crc32, shard.shares(exp, sm, win)))
             exps.append(exp)
             sms.append(sm)
         self.pieces.clear()
-        return resident.from_planes(torch.cat(exps), torch.cat(sms), (sum(self.partitions), self.cols))
+        if checks:
+            _check_split_crcs(checks, crc_group)
+        rows = sum(s.count for s in self.splits)
+        return resident.from_planes(torch.cat(exps), torch.cat(sms), (rows, self.cols.count))
+
+
+def _check_split_crcs(checks: list[tuple[str, tuple[int, int], int, list[shard.Share]]], group: Any) -> None:
+    """Every rank's checksum shares of a layer's split tensors, gathered over the tensor-parallel group and combined
+    into each whole tensor's crc32 (weight_shard.py): a damaged file is caught though no rank decodes it whole."""
+    import torch.distributed as dist
+
+    mine = [c[3] for c in checks]
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
+    for i, (label, shape, crc, _) in enumerate(checks):
+        whole = shard.combine([s for rank in gathered for s in rank[i]], shape)
+        if whole is None:
+            raise CorruptFileError(f"{label}: the tensor-parallel ranks' splits do not cover the tensor once, so its "
+                                   "checksum cannot be checked")
+        if whole != crc:
+            raise CorruptFileError(f"{label}: decoded data does not match its checksum (the file is damaged)")
 
 
 def _add_part_params(layer: torch.nn.Module, pending: _Pending) -> None:
@@ -303,15 +381,14 @@ def _install(layer: torch.nn.Module, r: resident.ResidentWeight, device: torch.d
     layer.glyd_bytes = r.nbytes + sum(t.numel() * t.element_size() for t in plan)
 
 
-def _refuse_partitioned(layer: torch.nn.Module, prefix: str) -> None:
-    if int(getattr(layer, "tp_size", 1) or 1) > 1:
-        raise RefusedError(f"Glyd weights do not support tensor parallelism yet ({prefix}: tp_size {layer.tp_size})",
-                           "serve the Glyd checkpoint on one device")
-
-
 def _finish(layer: torch.nn.Module) -> None:
     device = next((p.device for p in layer.parameters(recurse=False)), torch.device("cpu"))
-    r = layer._glyd_pending.build()
+    group = None
+    if int(getattr(layer, "tp_size", 1) or 1) > 1:
+        from vllm.distributed.parallel_state import get_tp_group
+
+        group = get_tp_group().cpu_group
+    r = layer._glyd_pending.build(group)
     _remove_part_params(layer)
     del layer._glyd_pending
     _install(layer, r, device)
@@ -327,8 +404,10 @@ class GlydLinearMethod(LinearMethodBase):
     def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int,
                        output_partition_sizes: list[int], input_size: int, output_size: int,
                        params_dtype: torch.dtype, **extra_weight_attrs: Any) -> None:
-        _refuse_partitioned(layer, self.prefix)
-        packed = [rows * input_size_per_partition >= self.config.min_packed_values for rows in output_partition_sizes]
+        # glyd pack decided by the whole tensor's size; a rank holds a split of it
+        splits = _partition_splits(layer, list(output_partition_sizes))
+        cols = _column_split(layer, input_size_per_partition)
+        packed = [s.full * cols.full >= self.config.min_packed_values for s in splits]
         if not any(packed):  # glyd pack left this weight plain
             self.plain = UnquantizedLinearMethod()
             self.plain.create_weights(layer, input_size_per_partition, output_partition_sizes, input_size,
@@ -338,7 +417,7 @@ class GlydLinearMethod(LinearMethodBase):
             raise UnsupportedModelError(f"{self.prefix}: some shards of this fused layer are below "
                                         f"{self.config.min_packed_values} values and were stored plain; Glyd "
                                         "serves fused layers whose shards are all packed")
-        _add_part_params(layer, _Pending(self.prefix, list(output_partition_sizes), input_size_per_partition))
+        _add_part_params(layer, _Pending(self.prefix, splits, cols))
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         if self.plain is not None:
@@ -363,16 +442,16 @@ class GlydEmbeddingMethod(QuantizeMethodBase):
     def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int,
                        output_partition_sizes: list[int], input_size: int, output_size: int,
                        params_dtype: torch.dtype, **extra_weight_attrs: Any) -> None:
-        _refuse_partitioned(layer, self.prefix)
-        rows = sum(output_partition_sizes)
-        if rows * input_size_per_partition < self.config.min_packed_values:
+        vocab = int(getattr(layer, "org_vocab_size", sum(output_partition_sizes)))  # the checkpoint's rows
+        if vocab * input_size_per_partition < self.config.min_packed_values:
             self.plain = UnquantizedEmbeddingMethod()
             self.plain.create_weights(layer, input_size_per_partition, output_partition_sizes, input_size,
                                       output_size, params_dtype, **extra_weight_attrs)
             return
-        # The checkpoint holds the unpadded vocabulary; vLLM pads the partition to a multiple of 64 rows.
-        vocab = int(getattr(layer, "org_vocab_size", rows))
-        _add_part_params(layer, _Pending(self.prefix or "embedding", [vocab], input_size_per_partition))
+        # The checkpoint holds the unpadded vocabulary; vLLM pads the partition to a multiple of 64 rows, and under
+        # tensor parallelism a rank holds its range of the vocabulary's rows (vLLM's shard_indices).
+        _add_part_params(layer, _Pending(self.prefix or "embedding", _partition_splits(layer, [vocab]),
+                                         Split(input_size_per_partition, 0, input_size_per_partition)))
 
     def tie_weights(self, layer: torch.nn.Module, embed_tokens: torch.nn.Module) -> torch.nn.Module:
         _remove_part_params(layer)
@@ -482,11 +561,6 @@ def refusals(vllm_config: Any) -> list[str]:
     if not isinstance(hf_quant, dict) or hf_quant.get("quant_method") != QUANT_METHOD:
         why.append(f"{model.model} is not a Glyd checkpoint (its config.json has no quantization_config with "
                    f"quant_method \"glyd\"): pack it first with `glyd pack {model.model} DST` and serve DST")
-    par = getattr(vllm_config, "parallel_config", None)
-    for attr, name in (("tensor_parallel_size", "tensor"), ("pipeline_parallel_size", "pipeline")):
-        if par is not None and int(getattr(par, attr, 1) or 1) > 1:
-            why.append(f"{name} parallel size {getattr(par, attr)} > 1 (Glyd weights are served on one device "
-                       "in this version)")
     if getattr(model, "dtype", torch.bfloat16) != torch.bfloat16:
         why.append(f"the model would run in {model.dtype}; Glyd weights are bf16 (use --dtype bfloat16)")
     return why

@@ -71,7 +71,7 @@ def test_engine_refusals_follow_the_declared_facts(backend: type, fact: str, cha
     cfg = _config("lossless")
     assert capabilities.engine_refusals(backend, cfg) == []
     change(cfg)
-    assert any(words in why for why in capabilities.engine_refusals(backend, cfg))
+    assert any(words in why for why in capabilities.engine_refusals(_declaring(backend, fact, False), cfg))
     assert not any(words in why for why in capabilities.engine_refusals(_declaring(backend, fact, True), cfg))
 
 
@@ -126,3 +126,14 @@ def test_the_backends_declare_what_differs() -> None:
         assert b.supports_head_size(64) and b.supports_head_size(128) and not b.supports_head_size(80)
         assert b.supports_block_size(128) and not b.supports_block_size(8)
         assert b.supports_dtype(torch.bfloat16) and not b.supports_dtype(torch.float16)
+
+
+@pytest.mark.parametrize(("change", "words"), [e[1:] for e in ENGINE[:2]], ids=["tensor", "pipeline"])
+def test_the_cpu_backend_runs_tensor_and_pipeline_parallel_and_the_cuda_one_refuses_them(change: Any,
+                                                                                        words: str) -> None:
+    """The CPU backend holds a rank's KV heads and a stage's layers (run in tests/vllm/test_engine_parallel.py); the
+    CUDA backend has not run on several GPUs, so it still refuses both."""
+    cfg = _config("lossless")
+    change(cfg)
+    assert capabilities.engine_refusals(GlydAttentionBackend, cfg) == []
+    assert any(words in why for why in capabilities.engine_refusals(GlydGPUAttentionBackend, cfg))

@@ -88,8 +88,6 @@ def test_kernel_choice_by_platform_and_refusals(monkeypatch: pytest.MonkeyPatch)
 
 
 @pytest.mark.parametrize(("change", "needle"), [
-    (lambda c: setattr(c.parallel_config, "tensor_parallel_size", 2), "tensor parallel size 2"),
-    (lambda c: setattr(c.parallel_config, "pipeline_parallel_size", 2), "pipeline parallel"),
     (lambda c: setattr(c.parallel_config, "decode_context_parallel_size", 2), "decode context parallel"),
     (lambda c: setattr(c.parallel_config, "enable_dbo", True), "micro-batching"),
     (lambda c: setattr(c, "kv_transfer_config", object()), "KV transfer"),
@@ -238,9 +236,10 @@ def test_page_size_does_not_depend_on_block_size() -> None:
 
     from glyd_engine.tables.kv_tables import KVTables
     from glyd_engine.vllm_plugin import backend, state
+    from glyd_engine.vllm_plugin.rank_share import RankShare
 
     tables = KVTables.uniform(2, 3, 64)
-    state._current = tables
+    state._current = state.RankTables(tables, RankShare.whole(2, 3))
     try:
         for bs in (1, 16, 128):
             spec = FullAttentionSpec(block_size=bs, num_kv_heads=3, head_size=64, dtype=torch.bfloat16)
@@ -419,3 +418,14 @@ def test_weights_mode_from_either_setting(monkeypatch: pytest.MonkeyPatch) -> No
     assert settings.weights_mode(_config(additional_config={"glyd": {"weights": "lossless"}})) == "lossless"
     with pytest.raises(ValueError, match=r"glyd.weights='fast' is not a Glyd weights mode; use one of auto, lossless"):
         settings.weights_mode(_config(additional_config={"glyd": {"weights": "fast"}}))
+
+
+def test_a_ranks_kv_heads_follow_vllms_split() -> None:
+    """Consecutive heads a rank; fewer KV heads than ranks: each head on tp / heads consecutive ranks (vLLM's
+    QKVParallelLinear), so a rank's table slice is its heads' own."""
+    from glyd_engine.vllm_plugin.rank_share import kv_heads_of_rank
+
+    assert [kv_heads_of_rank(8, 2, r) for r in range(2)] == [range(0, 4), range(4, 8)]
+    assert [kv_heads_of_rank(2, 4, r) for r in range(4)] == [range(0, 1), range(0, 1), range(1, 2), range(1, 2)]
+    with pytest.raises(ValueError, match="3 KV heads cannot be split evenly over 2 ranks"):
+        kv_heads_of_rank(3, 2, 0)

@@ -34,6 +34,8 @@ def decisions(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
         "swa_lossless": {"model": swa, "additional_config": {"glyd": {"kv": "lossless"}}},
         "swa_auto": {"model": swa, "additional_config": {"glyd": {"kv": "auto"}}},
         "tp_lossless": {"model": demo, "tensor_parallel_size": 3, "additional_config": {"glyd": {"kv": "lossless"}}},
+        "tp_reference": {"model": demo, "tensor_parallel_size": 3,
+                         "additional_config": {"glyd": {"kv": "lossless", "kernels": "reference"}}},
         "spec_lossless": {"model": demo, "speculative_config": spec, "additional_config": {"glyd": {"kv": "exact"}}},
         "spec_auto": {"model": demo, "speculative_config": spec, "additional_config": {"glyd": {"kv": "auto"}}},
         "fp8_lossless": {"model": demo, "kv_cache_dtype": "fp8", "additional_config": {"glyd": {"kv": "lossless"}}},
@@ -43,8 +45,9 @@ def decisions(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
 
 
 def test_supported_model_is_accepted(decisions: dict) -> None:
-    assert decisions["lossless"]["ok"], decisions["lossless"]["error"]
-    assert "Glyd KV cache: lossless" in decisions["lossless"]["log"]
+    for case in ("lossless", "tp_lossless"):  # the CPU backend holds a rank's KV heads under tensor parallelism
+        assert decisions[case]["ok"], decisions[case]["error"]
+        assert "Glyd KV cache: lossless" in decisions[case]["log"], case
 
 
 def test_auto_falls_back_with_log_line(decisions: dict) -> None:
@@ -57,7 +60,7 @@ def test_auto_falls_back_with_log_line(decisions: dict) -> None:
 
 @pytest.mark.parametrize(("case", "why"), [
     ("swa_lossless", "sliding-window attention layers"),
-    ("tp_lossless", "tensor parallel size 3 > 1"),
+    ("tp_reference", "tensor parallel size 3 > 1"),
     ("spec_lossless", "speculative decoding is on"),
     ("fp8_lossless", "kv_cache_dtype is fp8"),
 ])
