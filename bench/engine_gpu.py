@@ -51,11 +51,16 @@ def plans(model: str, logprob_prompts: int, logprob_len: int, packed: str = "") 
             {**base, "name": "off", "mode": "off", "work": weights_work},
             {**base, "name": "lossless", "mode": "lossless", "work": weights_work, "expect": ["logprobs"]},
             {**base, "name": "exact", "mode": "exact", "expect": ["logprobs", "greedy"]},
+            {**base, "name": "lossless-check", "mode": "lossless", "eager": True, "check": True,
+             "work": {k: v for k, v in work.items() if k != "speed"}, "expect": ["values"]},
+            # a cache too small for its requests: preemption, chunked prefill and prefix hits, every value read back
+            {**base, "name": "lossless-stress", "mode": "lossless", "eager": True, "check": True,
+             "kv_bytes": 12 << 20, "max_model_len": 640, "max_num_batched_tokens": 64,
+             "work": {"stress": {"n": 24, "prefix": 150, "tail": 100, "extra": [560, 400, 300], "max_tokens": 32}},
+             "expect": ["values", "preempted"]},
             {**base, "name": "weights-exact", "mode": "off", "model": packed, "weights": "exact", "work": weights_work,
              "expect": ["logprobs", "greedy"]},
             {**base, "name": "weights-lossless", "mode": "off", "model": packed, "work": weights_work},
-            {**base, "name": "lossless-check", "mode": "lossless", "eager": True, "check": True,
-             "work": {k: v for k, v in work.items() if k != "speed"}, "expect": ["values"]},
         ],
         # decode speed in the engine at 0.9 of the GPU's memory: lossless against off with vLLM's default backend
         # (FlashAttention 3 on Hopper) and with TRITON_ATTN
@@ -100,6 +105,10 @@ def compare(ref: dict[str, Any], got: dict[str, Any]) -> dict[str, Any]:
         if got.get("decode_tokens_per_s") and ref.get("decode_tokens_per_s") else None,
         "values_checked": stats.get("values_checked"), "values_differing": stats.get("values_differing"),
         "escapes": stats.get("escapes"), "overflow_values": stats.get("overflow_values"),
+        "stress": got.get("stress"),
+        "preempted": sum(v for k, v in got.get("metrics", {}).items() if "preempt" in k and isinstance(v, int | float)),
+        "prefix_hits": sum(v for k, v in got.get("metrics", {}).items()
+                           if "prefix_cache_hits" in k and isinstance(v, int | float)),
     }
 
 
@@ -119,6 +128,11 @@ def verdict(spec: dict[str, Any], row: dict[str, Any] | None) -> list[str]:
                 bad.append(f"{spec['name']}: {key} {row[key]}")
     if "values" in spec.get("expect", []) and (not row["values_checked"] or row["values_differing"]):
         bad.append(f"{spec['name']}: {row['values_differing']} of {row['values_checked']} values read back differ")
+    if "preempted" in spec.get("expect", []):
+        st = row.get("stress") or {}
+        if not row.get("preempted") or st.get("completed") != st.get("requests"):
+            bad.append(f"{spec['name']}: no preemption or unfinished requests ({row.get('preempted')} preempted, "
+                       f"{st.get('completed')} of {st.get('requests')} completed)")
     return bad
 
 
@@ -159,35 +173,43 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # a failed start is a result: keep going, report it, exit non-zero
             failures.append(f"{spec['name']}: {str(exc).splitlines()[0][:400]}")
             traceback.print_exc(limit=1)
+        report(a, specs, results, failures, final=False)  # a call killed at its limit keeps the engines done
+    return 1 if report(a, specs, results, failures, final=True) else 0
+
+
+def report(a: argparse.Namespace, specs: list[dict[str, Any]], results: dict[str, Any], failures: list[str],
+           final: bool) -> list[str]:
+    """Compares each engine with the reference, writes engine_PLAN.json and returns every failure; prints the table
+    when final."""
     ref_name = specs[0]["name"]
-    table = {}
-    if ref_name in results:
-        for name, res in results.items():
-            table[name] = compare(results[ref_name], res)
-            row = table[name]
+    table = {name: compare(results[ref_name], res) for name, res in results.items()} if ref_name in results else {}
+    failures = failures + [f for spec in specs for f in verdict(spec, table.get(spec["name"]))]
+    if final:
+        for name, row in table.items():
             lp = row["prompt_logprobs"]
             print(f"{name:16s} kv_tokens={row['kv_tokens']} ({row['capacity_vs_ref']}x) start={row['start_s']}s "
                   f"logprobs differing={lp['differing']}/{lp['positions']} max={lp['max_abs_diff']} "
                   f"greedy={row['greedy_equal']} prefix={row['prefix_greedy_equal']} "
                   f"tok/s={row['decode_tokens_per_s']} ({row['speed_vs_ref']}x) "
                   f"checked={row['values_checked']} differing={row['values_differing']}", flush=True)
-    for name, res in results.items():
-        for row in res.get("sweep", []):
-            print(f"{name:12s} ctx={row['context']:6d} batch={row['batch']:4d} "
-                  + (f"tok/s={row['decode_tokens_per_s']:9.1f} ttft={row['ttft_s']:.3f}s" if row["fits"]
-                     else "does not fit"), flush=True)
-    for spec in specs:
-        failures += verdict(spec, table.get(spec["name"]))
-    for f in failures:
-        print("FAILED", f)
+        for name, res in results.items():
+            for row in res.get("sweep", []):
+                print(f"{name:12s} ctx={row['context']:6d} batch={row['batch']:4d} "
+                      + (f"tok/s={row['decode_tokens_per_s']:9.1f} ttft={row['ttft_s']:.3f}s" if row["fits"]
+                         else "does not fit"), flush=True)
+        for f in failures:
+            print("FAILED", f)
     import torch
 
     doc = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-           "plan": a.plan, "model": a.model, "eager": a.eager, "table": table, "failures": failures,
+           "plan": a.plan, "model": a.model, "eager": a.eager, "complete": final, "table": table,
+           "failures": failures,
            "results": {k: {kk: vv for kk, vv in v.items() if kk != "prompt_logprobs_bits"} for k, v in results.items()}}
-    (a.out / f"engine_{a.plan}.json").write_text(json.dumps(doc, indent=1))
-    return 1 if failures else 0
+    tmp = a.out / f".engine_{a.plan}.json.tmp"
+    tmp.write_text(json.dumps(doc, indent=1))
+    tmp.replace(a.out / f"engine_{a.plan}.json")
+    return failures
 
 
 if __name__ == "__main__":

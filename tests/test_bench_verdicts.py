@@ -155,6 +155,32 @@ def test_engine_gpu_verdicts_count_every_differing_bit() -> None:
     assert eg.verdict(promise, off_by_one) == ["m: greedy_equal 1/2", "m: 1 of 9 values read back differ"]
     nothing = eg.compare(ref, {"kv_tokens": 1})
     assert len(eg.verdict(promise, nothing)) == 4  # no logprobs, no tokens, no values compared: all fail
+    stress = {"name": "s", "expect": ["values", "preempted"]}
+    ran = {"kv_tokens": 1, "stats": {"values_checked": 9, "values_differing": 0},
+           "stress": {"requests": 3, "completed": 3}, "metrics": {"vllm:num_preemptions": 2}}
+    assert eg.verdict(stress, eg.compare(ref, ran)) == []
+    calm = eg.compare(ref, {**ran, "metrics": {"vllm:num_preemptions": 0}})
+    assert eg.verdict(stress, calm) == ["s: no preemption or unfinished requests (0 preempted, 3 of 3 completed)"]
+
+
+def test_engine_gpu_writes_its_json_after_every_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU call killed at its time limit keeps the engines that finished: the JSON is rewritten after each."""
+    eg = _engine_gpu()
+    seen: list[list[str]] = []
+
+    def fake_run(spec: dict, timeout: float, log: Path) -> dict:
+        if spec["name"] == "exact":
+            raise RuntimeError("engine child killed after 9 s")
+        path = tmp_path / "engine_demo.json"
+        seen.append(sorted(json.loads(path.read_text())["results"]) if path.exists() else [])
+        return {"kv_tokens": 100, "start_s": 1.0}
+
+    monkeypatch.setattr(eg, "run_engine", fake_run)
+    assert eg.main(["--model", "m", "--only", "lossless,exact,lossless-check", "--out", str(tmp_path)]) == 1
+    doc = json.loads((tmp_path / "engine_demo.json").read_text())
+    assert seen == [[], ["off"], ["lossless", "off"]] and doc["complete"] is True
+    assert sorted(doc["results"]) == ["lossless", "lossless-check", "off"]
+    assert any("exact: engine child killed" in f for f in doc["failures"])
 
 
 def test_an_engine_child_killed_at_its_timeout_leaves_its_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
