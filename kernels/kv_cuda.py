@@ -21,11 +21,12 @@ RING = 2  # tiles a decode warp holds in shared memory (one decoding, one in fli
 MIN_BLOCKS = 3  # register buffer, so three blocks (12 warps) fit a multiprocessor
 SMS = 132  # multiprocessors of an H200, where the device does not say
 MAX_SPLITS = 64
+FUSED_MERGE = 1  # the last split of each (sequence, KV head) merges them: one launch a decode step
 SPLIT_COST_TILES = 6  # a split's fixed cost (set-up, partial results, merge) in tiles a warp, fitted on the H200
 KERNELS = ("kv_decode_attention", "kv_merge", "kv_read_tiles", "kv_write", "kv_sizes")
 # the build switches a variant may set (kernels/cuda/kv_attention.cuh, kv_write.cuh): other builds that give correct
 # results, timed by bench/gpu.py --variants
-SWITCHES = ("WARPS", "RING", "MIN_BLOCKS", "BULK", "PATCH", "P_SPLIT", "WMIN_BLOCKS")
+SWITCHES = ("WARPS", "RING", "MIN_BLOCKS", "BULK", "PATCH", "P_SPLIT", "WMIN_BLOCKS", "FUSED_MERGE")
 
 
 def defines(layout: KVPageLayout, group: int, variant: tuple[tuple[str, int], ...] = ()) -> dict[str, int]:
@@ -34,7 +35,8 @@ def defines(layout: KVPageLayout, group: int, variant: tuple[tuple[str, int], ..
     if unknown:
         raise ValueError(f"the KV kernels have no build switch {', '.join(unknown)} (they have {', '.join(SWITCHES)})")
     return {"HEAD": layout.head_size, "CODE_BITS": layout.code_bits, "GQ": group, "RESERVE": layout.reserve,
-            "TPP": layout.tiles, "WARPS": WARPS, "RING": RING, "MIN_BLOCKS": MIN_BLOCKS, **dict(variant)}
+            "TPP": layout.tiles, "WARPS": WARPS, "RING": RING, "MIN_BLOCKS": MIN_BLOCKS, "FUSED_MERGE": FUSED_MERGE,
+            **dict(variant)}
 
 
 @functools.lru_cache(maxsize=64)
@@ -49,6 +51,7 @@ def _module(head_size: int, code_bits: int, group: int, reserve: int, tiles: int
         nvrtc.set_max_smem(ks["kv_decode_attention"], attn_smem)
     if write_smem > 48 * 1024:
         nvrtc.set_max_smem(ks["kv_write"], write_smem)
+    split_counts(torch.device("cuda", device), MIN_COUNTS)  # now, before any graph capture needs them
     return ks, attn_smem, write_smem
 
 
@@ -139,14 +142,44 @@ def decode_attention(query: torch.Tensor, cache: torch.Tensor, layout: KVPageLay
     ptr, ref = _overflow_args(overflow, layout, cache.device)
     bt = block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)
     sl = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.to(torch.int32)
+    counts = split_counts(cache.device, s * h) if splits > 1 and build.get("FUSED_MERGE", 1) else None
     ks["kv_decode_attention"](
         (splits, h, s), (warps * 32,),
         [query, out, part_o, part_ml, cache, tops, ptr, ref, bt, sl, float(scale * 1.4426950408889634),
-         query.stride(0), query.stride(1), out.stride(0), out.stride(1), bt.stride(0), h, splits, *_strides(cache)],
+         query.stride(0), query.stride(1), out.stride(0), out.stride(1), bt.stride(0), h, splits, *_strides(cache),
+         nvrtc.Ptr(0) if counts is None else counts],
         smem=smem)
-    if splits > 1:
+    if splits > 1 and counts is None:
         ks["kv_merge"]((s, hq), (d,), [out, part_o, part_ml, out.stride(0), out.stride(1), hq, splits])
     return out
+
+
+MIN_COUNTS = 1 << 14  # (sequence, KV head) pairs: 2048 sequences of 8 KV heads in 64 KiB
+
+
+class _SplitCounts:
+    """A device's split counters (zero between launches: the last split resets its own). Outgrown buffers stay
+    alive, since a captured graph may replay with them."""
+
+    def __init__(self) -> None:
+        self.now: torch.Tensor | None = None
+        self.old: list[torch.Tensor] = []
+
+
+_COUNTS: dict[int, _SplitCounts] = {}
+
+
+def split_counts(device: torch.device, pairs: int) -> torch.Tensor | None:
+    """Counters for `pairs` (sequence, KV head) pairs, or None during a CUDA-graph capture that would have to grow
+    them (that graph merges its splits in a second launch instead)."""
+    c = _COUNTS.setdefault(device.index or 0, _SplitCounts())
+    if c.now is None or c.now.numel() < pairs:
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        if c.now is not None:
+            c.old.append(c.now)
+        c.now = torch.zeros(max(pairs, MIN_COUNTS), dtype=torch.int32, device=device)
+    return c.now
 
 
 def read_tiles(cache: torch.Tensor, layout: KVPageLayout, tops: torch.Tensor, tiles: torch.Tensor,

@@ -122,6 +122,10 @@ class I64(int):
     """A 64-bit integer kernel argument (plain ints are passed as 32-bit)."""
 
 
+class Ptr(int):
+    """A device address kernel argument that is not a tensor's (Ptr(0): a null pointer)."""
+
+
 @dataclass
 class Kernel:
     function: object
@@ -135,6 +139,9 @@ class Kernel:
         for a in args:
             if isinstance(a, torch.Tensor):
                 vals.append(a.data_ptr())
+                types.append(ctypes.c_void_p)
+            elif isinstance(a, Ptr):
+                vals.append(int(a))
                 types.append(ctypes.c_void_p)
             elif isinstance(a, I64):
                 vals.append(int(a))
@@ -208,4 +215,5 @@ def set_max_smem(kernel: Kernel, nbytes: int) -> None:
     _check((driver.cuFuncSetAttribute(kernel.function, carve, 100)[0],), "cuFuncSetAttribute")
 
 
-__all__ = ["I64", "Kernel", "KernelBuildError", "cached_cubin", "compile_cubin", "load", "nvrtc_version", "on_compile"]
+__all__ = ["I64", "Kernel", "KernelBuildError", "Ptr", "cached_cubin", "compile_cubin", "load", "nvrtc_version",
+           "on_compile"]

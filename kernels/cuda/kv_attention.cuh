@@ -100,10 +100,29 @@ __device__ __forceinline__ bool patch_of(const u8* tile, u32 e, int kind, const 
   return exact;
 }
 
+// Splits of one (sequence, query head) combined in a fixed order, one channel d a thread: the same bits from the
+// decode kernel's last split and from kv_merge. Loads through L2 (__ldcg): other blocks wrote the rows.
+__device__ __forceinline__ void merge_splits(u16* __restrict__ out, const float* __restrict__ part_o,
+                                             const float* __restrict__ part_ml, int stride_o0, int stride_o1,
+                                             int num_q_heads, int num_splits, int seq, int hq, int d) {
+  const long base = ((long)seq * num_q_heads + hq) * num_splits;
+  float M = NEG_INF;
+  for (int s = 0; s < num_splits; ++s) M = fmaxf(M, __ldcg(part_ml + (base + s) * 2));
+  float L = 0.f, O = 0.f;
+  for (int s = 0; s < num_splits; ++s) {
+    const float m = __ldcg(part_ml + (base + s) * 2), l = __ldcg(part_ml + (base + s) * 2 + 1);
+    const float f = (M == NEG_INF || l == 0.f) ? 0.f : ex2(m - M) * l;
+    L += f;
+    O += f * __ldcg(part_o + (base + s) * D + d);
+  }
+  out[(long)seq * stride_o0 + (long)hq * stride_o1 + d] = u16(pack_bf16(L > 0.f ? O / L : 0.f, 0.f) & 0xFFFFu);
+}
+
 // ================================================================================================================
 // Decode attention: one query token a sequence. Grid (splits, KV heads, sequences); WARPS warps a block, each
 // taking every WARPS-th tile of the block's share of the sequence, with its own online softmax; the block then
-// combines its warps, and with several splits `kv_merge` combines the splits in a fixed order.
+// combines its warps; with several splits the last block of a (sequence, KV head) to finish merges its splits in a
+// fixed order (a counter a pair), or `kv_merge` does in a second launch.
 // ================================================================================================================
 struct Smem {
 #if RING
@@ -120,6 +139,7 @@ struct Smem {
   u8 tops[2][D];    // the K and V window tops: an escape's exponent in the scaled domain
 #endif
   float wm[WARPS][8], wl[WARPS][8];
+  int last_split;   // this block finished its (sequence, KV head)'s splits last: it merges them
 };
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) kv_decode_attention(
@@ -127,7 +147,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) kv_decode_a
     const u8* __restrict__ cache, const u8* __restrict__ tops, const int* __restrict__ ovf_ptr,
     const long long* __restrict__ arena_ref, const int* __restrict__ block_table, const int* __restrict__ seq_lens,
     float scale_log2, int stride_q0, int stride_q1, int stride_o0, int stride_o1, int bt_stride, int num_kv_heads,
-    int num_splits, long long block_stride, long long head_stride) {
+    int num_splits, long long block_stride, long long head_stride, int* __restrict__ split_count) {
   extern __shared__ __align__(16) u8 smem_raw[];
   Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
   const int split = blockIdx.x, h = blockIdx.y, seq = blockIdx.z;
@@ -572,24 +592,30 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) kv_decode_a
       }
     }
   }
+  if (num_splits == 1 || split_count == nullptr) return;  // one split, or kv_merge launched after this kernel
+
+  // ---- the last split of this (sequence, KV head) to finish merges them all: no second launch ----
+  __threadfence();  // this block's partial rows, published before its count
+  __syncthreads();
+  int* count = split_count + (long)seq * num_kv_heads + h;
+  if (threadIdx.x == 0) sm.last_split = atomicAdd(count, 1) == num_splits - 1;
+  __syncthreads();
+  if (!sm.last_split) return;
+  __threadfence();  // the other splits' rows, published before their counts, are visible from here
+  for (int i = threadIdx.x; i < GQ * D; i += WARPS * 32) {
+    const int hq = h * GQ + i / D;
+    merge_splits(out, part_o, part_ml, stride_o0, stride_o1, num_kv_heads * GQ, num_splits, seq, hq, i % D);
+  }
+  if (threadIdx.x == 0) *count = 0;  // ready for the next launch (a CUDA graph replays this one)
 }
 
-// Splits of one (sequence, query head) combined in a fixed order. Grid (sequences, query heads), D threads.
+// The splits merged by a second launch, where no counters are at hand (a graph captured past their capacity).
+// Grid (sequences, query heads), D threads.
 extern "C" __global__ void kv_merge(u16* __restrict__ out, const float* __restrict__ part_o,
                                     const float* __restrict__ part_ml, int stride_o0, int stride_o1, int num_q_heads,
                                     int num_splits) {
-  const int seq = blockIdx.x, hq = blockIdx.y, d = threadIdx.x;
-  const long base = ((long)seq * num_q_heads + hq) * num_splits;
-  float M = NEG_INF;
-  for (int s = 0; s < num_splits; ++s) M = fmaxf(M, part_ml[(base + s) * 2]);
-  float L = 0.f, O = 0.f;
-  for (int s = 0; s < num_splits; ++s) {
-    const float m = part_ml[(base + s) * 2], l = part_ml[(base + s) * 2 + 1];
-    const float f = (M == NEG_INF || l == 0.f) ? 0.f : ex2(m - M) * l;
-    L += f;
-    O += f * part_o[(base + s) * D + d];
-  }
-  out[(long)seq * stride_o0 + (long)hq * stride_o1 + d] = u16(pack_bf16(L > 0.f ? O / L : 0.f, 0.f) & 0xFFFFu);
+  merge_splits(out, part_o, part_ml, stride_o0, stride_o1, num_q_heads, num_splits, blockIdx.x, blockIdx.y,
+               threadIdx.x);
 }
 
 // ================================================================================================================

@@ -3,7 +3,8 @@
 Pages written by the CUDA writer hold the same bytes as the reference writer's, in one write, in runs and a token
 at a time, escapes and overflow included; the tile reader returns every value bit for bit; decode attention over
 those pages is within bf16 tolerance of fp32 on the exact values, for 1-8 query heads a KV head, short and long
-sequences, with and without a context split, and gives the same bits twice.
+sequences, with and without a context split, gives the same bits twice, and the same bits whether the splits are
+merged inside the decode launch or by a second one.
 """
 
 from __future__ import annotations
@@ -146,7 +147,7 @@ def test_decode_attention_matches_fp32_and_repeats_its_bits(d: int, h: int, grou
     q = (torch.randn(len(lens), h * group, d, generator=g) * 2).to(torch.bfloat16)
     ref = reference_attention(q, ks, vs, d ** -0.5)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
-    for splits in (None, 1, 3):
+    for splits in (None, 1, 3, 37):
         out = torch.full((len(lens), h * group, d), float("nan"), dtype=torch.bfloat16, device=DEV)
         kv_cuda.decode_attention(q.to(DEV), cache, lay, tops_gpu, table.to(DEV), seq_lens.to(DEV), max(lens),
                                  d ** -0.5, ovf, out=out, num_splits=splits)
@@ -157,6 +158,13 @@ def test_decode_attention_matches_fp32_and_repeats_its_bits(d: int, h: int, grou
         again = kv_cuda.decode_attention(q.to(DEV), cache, lay, tops_gpu, table.to(DEV), seq_lens.to(DEV), max(lens),
                                          d ** -0.5, ovf, num_splits=splits)
         assert torch.equal(again.view(torch.int16), out.view(torch.int16))
+        # the splits merged by the last block of each (sequence, KV head) and by kv_merge in a second launch: the
+        # same order, the same bits; the counters are back at zero for the next launch
+        merged = kv_cuda.decode_attention(q.to(DEV), cache, lay, tops_gpu, table.to(DEV), seq_lens.to(DEV),
+                                          max(lens), d ** -0.5, ovf, num_splits=splits, variant=(("FUSED_MERGE", 0),))
+        assert torch.equal(merged.view(torch.int16), out.view(torch.int16))
+        counts = kv_cuda.split_counts(out.device, len(lens) * h)
+        assert counts is not None and int(counts.count_nonzero()) == 0
 
 
 @pytest.mark.parametrize("code_bits,reserve", [(3, 68), (4, 4)])
