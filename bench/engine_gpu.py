@@ -148,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("."))
     ap.add_argument("--budget-s", type=float, default=480, help="start no engine past this many seconds")
     ap.add_argument("--timeout-s", type=float, default=300)
+    ap.add_argument("--deadline-s", type=float, default=0,
+                    help="end the run by this many seconds: each engine's timeout is clipped to what is left (a GPU "
+                         "call's limit), and one with less than a minute left is not started")
     ap.add_argument("--logprob-prompts", type=int, default=15)
     ap.add_argument("--logprob-len", type=int, default=2048)
     a = ap.parse_args(argv)
@@ -162,12 +165,14 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {}
     failures: list[str] = []
     for spec in specs:
-        if time.monotonic() - t0 > a.budget_s:
+        now = time.monotonic() - t0
+        left = a.deadline_s - now - 10 if a.deadline_s else a.timeout_s  # 10 s to compare and write the JSON
+        if now > a.budget_s or left < 60:
             failures.append(f"{spec['name']}: not run (budget)")
             continue
-        print(f"== {spec['name']} ({time.monotonic() - t0:.0f} s)", flush=True)
+        print(f"== {spec['name']} ({now:.0f} s)", flush=True)
         try:
-            res = run_engine(spec, timeout=a.timeout_s, log=a.out / f"{spec['name']}.log")
+            res = run_engine(spec, timeout=min(a.timeout_s, left), log=a.out / f"{spec['name']}.log")
             res.pop("log", None)
             results[spec["name"]] = res
         except Exception as exc:  # a failed start is a result: keep going, report it, exit non-zero
