@@ -21,6 +21,7 @@ RING = 2  # tiles a decode warp holds in shared memory (one decoding, one in fli
 MIN_BLOCKS = 3  # register buffer, so three blocks (12 warps) fit a multiprocessor
 SMS = 132  # multiprocessors of an H200, where the device does not say
 MAX_SPLITS = 64
+MERGE_SPLITS = 64  # the most splits the decode launch merges itself (kv_attention.cuh); kv_merge takes more
 FUSED_MERGE = 1  # the last split of each (sequence, KV head) merges them: one launch a decode step
 SPLIT_COST_TILES = 6  # a split's fixed cost (set-up, partial results, merge) in tiles a warp, fitted on the H200
 KERNELS = ("kv_decode_attention", "kv_merge", "kv_read_tiles", "kv_write", "kv_sizes")
@@ -142,7 +143,8 @@ def decode_attention(query: torch.Tensor, cache: torch.Tensor, layout: KVPageLay
     ptr, ref = _overflow_args(overflow, layout, cache.device)
     bt = block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)
     sl = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.to(torch.int32)
-    counts = split_counts(cache.device, s * h) if splits > 1 and build.get("FUSED_MERGE", 1) else None
+    fused = 1 < splits <= MERGE_SPLITS and build["FUSED_MERGE"]
+    counts = split_counts(cache.device, s * h) if fused else None
     ks["kv_decode_attention"](
         (splits, h, s), (warps * 32,),
         [query, out, part_o, part_ml, cache, tops, ptr, ref, bt, sl, float(scale * 1.4426950408889634),

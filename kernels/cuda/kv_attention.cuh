@@ -39,6 +39,7 @@
 #define MIN_BLOCKS 3  // decode blocks a multiprocessor: sets the register budget (65536 / (MIN_BLOCKS * WARPS * 32))
 #endif
 #define NEG_INF (-__int_as_float(0x7f800000))
+#define MERGE_SPLITS 64  // the most splits the decode launch merges itself (two a lane); kv_merge takes more
 
 static_assert(GQ >= 1 && GQ <= 8, "1..8 query heads a KV head");
 
@@ -98,24 +99,6 @@ __device__ __forceinline__ bool patch_of(const u8* tile, u32 e, int kind, const 
   const u32 xr = (((x.wrong >> 7) & 0xFFu) ^ u32(es)) & 0xFFu;
   packed = (e & (LP - 1)) | ((xr >> 1) << 11) | (((x.wrong & 0xFFu) ^ ((xr & 1u) << 7)) << 18) | 0x80000000u;
   return exact;
-}
-
-// Splits of one (sequence, query head) combined in a fixed order, one channel d a thread: the same bits from the
-// decode kernel's last split and from kv_merge. Loads through L2 (__ldcg): other blocks wrote the rows.
-__device__ __forceinline__ void merge_splits(u16* __restrict__ out, const float* __restrict__ part_o,
-                                             const float* __restrict__ part_ml, int stride_o0, int stride_o1,
-                                             int num_q_heads, int num_splits, int seq, int hq, int d) {
-  const long base = ((long)seq * num_q_heads + hq) * num_splits;
-  float M = NEG_INF;
-  for (int s = 0; s < num_splits; ++s) M = fmaxf(M, __ldcg(part_ml + (base + s) * 2));
-  float L = 0.f, O = 0.f;
-  for (int s = 0; s < num_splits; ++s) {
-    const float m = __ldcg(part_ml + (base + s) * 2), l = __ldcg(part_ml + (base + s) * 2 + 1);
-    const float f = (M == NEG_INF || l == 0.f) ? 0.f : ex2(m - M) * l;
-    L += f;
-    O += f * __ldcg(part_o + (base + s) * D + d);
-  }
-  out[(long)seq * stride_o0 + (long)hq * stride_o1 + d] = u16(pack_bf16(L > 0.f ? O / L : 0.f, 0.f) & 0xFFFFu);
 }
 
 // ================================================================================================================
@@ -602,20 +585,68 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) kv_decode_a
   __syncthreads();
   if (!sm.last_split) return;
   __threadfence();  // the other splits' rows, published before their counts, are visible from here
-  for (int i = threadIdx.x; i < GQ * D; i += WARPS * 32) {
-    const int hq = h * GQ + i / D;
-    merge_splits(out, part_o, part_ml, stride_o0, stride_o1, num_kv_heads * GQ, num_splits, seq, hq, i % D);
+  // each split's weight 2^(m - M) l a head (a warp a head, a lane a split; ocorr is spent), then each thread sums 4
+  // channels of a head over the splits in split order: kv_merge's arithmetic, its bits, with 16-byte L2 loads
+  float* weight = &sm.ocorr[0][0][0];  // [GQ][MERGE_SPLITS]
+  const long row0 = ((long)seq * num_kv_heads + h) * GQ * num_splits;
+  for (int hh = warp; hh < GQ; hh += WARPS) {
+    const float* ml = part_ml + (row0 + (long)hh * num_splits) * 2;
+    float m[2], l[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int s = lane + 32 * j;
+      m[j] = s < num_splits ? __ldcg(ml + 2 * s) : NEG_INF;
+      l[j] = s < num_splits ? __ldcg(ml + 2 * s + 1) : 0.f;
+    }
+    float M = fmaxf(m[0], m[1]);
+#pragma unroll
+    for (int o = 16; o; o >>= 1) M = fmaxf(M, __shfl_xor_sync(FULL, M, o));
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int s = lane + 32 * j;
+      if (s < num_splits) weight[hh * MERGE_SPLITS + s] = (M == NEG_INF || l[j] == 0.f) ? 0.f : ex2(m[j] - M) * l[j];
+    }
+  }
+  __syncthreads();
+  for (int c = threadIdx.x; c < GQ * D / 4; c += WARPS * 32) {
+    const int hh = c / (D / 4), d0 = 4 * (c % (D / 4));
+    const float* w = weight + hh * MERGE_SPLITS;
+    const float* po = part_o + (row0 + (long)hh * num_splits) * D + d0;
+    float L = 0.f;
+    float4 O = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 8
+    for (int s = 0; s < num_splits; ++s) {
+      const float4 p = __ldcg(reinterpret_cast<const float4*>(po + (long)s * D));
+      const float f = w[s];
+      L += f;
+      O.x += f * p.x, O.y += f * p.y, O.z += f * p.z, O.w += f * p.w;
+    }
+    u16* o = out + (long)seq * stride_o0 + (long)(h * GQ + hh) * stride_o1 + d0;
+    const float r[4] = {O.x, O.y, O.z, O.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) o[i] = u16(pack_bf16(L > 0.f ? r[i] / L : 0.f, 0.f) & 0xFFFFu);
   }
   if (threadIdx.x == 0) *count = 0;  // ready for the next launch (a CUDA graph replays this one)
 }
 
-// The splits merged by a second launch, where no counters are at hand (a graph captured past their capacity).
-// Grid (sequences, query heads), D threads.
+// The splits of one (sequence, query head) merged in split order by a second launch, one channel a thread, where the
+// decode launch has no counters (a graph captured past their capacity, more than MERGE_SPLITS splits): the same
+// arithmetic as the decode kernel's last split. Grid (sequences, query heads), D threads.
 extern "C" __global__ void kv_merge(u16* __restrict__ out, const float* __restrict__ part_o,
                                     const float* __restrict__ part_ml, int stride_o0, int stride_o1, int num_q_heads,
                                     int num_splits) {
-  merge_splits(out, part_o, part_ml, stride_o0, stride_o1, num_q_heads, num_splits, blockIdx.x, blockIdx.y,
-               threadIdx.x);
+  const int seq = blockIdx.x, hq = blockIdx.y, d = threadIdx.x;
+  const long base = ((long)seq * num_q_heads + hq) * num_splits;
+  float M = NEG_INF;
+  for (int s = 0; s < num_splits; ++s) M = fmaxf(M, part_ml[(base + s) * 2]);
+  float L = 0.f, O = 0.f;
+  for (int s = 0; s < num_splits; ++s) {
+    const float m = part_ml[(base + s) * 2], l = part_ml[(base + s) * 2 + 1];
+    const float f = (M == NEG_INF || l == 0.f) ? 0.f : ex2(m - M) * l;
+    L += f;
+    O += f * part_o[(base + s) * D + d];
+  }
+  out[(long)seq * stride_o0 + (long)hq * stride_o1 + d] = u16(pack_bf16(L > 0.f ? O / L : 0.f, 0.f) & 0xFFFFu);
 }
 
 // ================================================================================================================

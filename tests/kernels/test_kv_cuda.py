@@ -147,7 +147,7 @@ def test_decode_attention_matches_fp32_and_repeats_its_bits(d: int, h: int, grou
     q = (torch.randn(len(lens), h * group, d, generator=g) * 2).to(torch.bfloat16)
     ref = reference_attention(q, ks, vs, d ** -0.5)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
-    for splits in (None, 1, 3, 37):
+    for splits in (None, 1, 3, 37, 70):  # 70: past MERGE_SPLITS, merged by kv_merge
         out = torch.full((len(lens), h * group, d), float("nan"), dtype=torch.bfloat16, device=DEV)
         kv_cuda.decode_attention(q.to(DEV), cache, lay, tops_gpu, table.to(DEV), seq_lens.to(DEV), max(lens),
                                  d ** -0.5, ovf, out=out, num_splits=splits)
