@@ -27,7 +27,7 @@ SPLIT_COST_TILES = 6  # a split's fixed cost (set-up, partial results, merge) in
 KERNELS = ("kv_decode_attention", "kv_merge", "kv_read_tiles", "kv_write", "kv_sizes")
 # the build switches a variant may set (kernels/cuda/kv_attention.cuh, kv_write.cuh): other builds that give correct
 # results, timed by bench/gpu.py --variants
-SWITCHES = ("WARPS", "RING", "MIN_BLOCKS", "BULK", "PATCH", "P_SPLIT", "WMIN_BLOCKS", "FUSED_MERGE")
+SWITCHES = ("WARPS", "RING", "MIN_BLOCKS", "BULK", "PATCH", "P_SPLIT", "WMIN_BLOCKS", "FUSED_MERGE", "PORTABLE")
 
 
 def defines(layout: KVPageLayout, group: int, variant: tuple[tuple[str, int], ...] = ()) -> dict[str, int]:
@@ -37,14 +37,17 @@ def defines(layout: KVPageLayout, group: int, variant: tuple[tuple[str, int], ..
         raise ValueError(f"the KV kernels have no build switch {', '.join(unknown)} (they have {', '.join(SWITCHES)})")
     return {"HEAD": layout.head_size, "CODE_BITS": layout.code_bits, "GQ": group, "RESERVE": layout.reserve,
             "TPP": layout.tiles, "WARPS": WARPS, "RING": RING, "MIN_BLOCKS": MIN_BLOCKS, "FUSED_MERGE": FUSED_MERGE,
-            **dict(variant)}
+            "PORTABLE": 0, **dict(variant)}
 
 
 @functools.lru_cache(maxsize=64)
 def _module(head_size: int, code_bits: int, group: int, reserve: int, tiles: int, device: int,
             variant: tuple[tuple[str, int], ...] = ()) -> tuple[dict, int, int]:
     lay = KVPageLayout(head_size, tiles * TILE, reserve, code_bits)
-    ks = nvrtc.load(SOURCE, defines(lay, group, variant), KERNELS, device)
+    # PORTABLE=1 (benchmarks): the sm_80 code as PTX, compiled by the driver for this GPU (the path of GPUs before
+    # Hopper, timed on one)
+    ks = nvrtc.load(SOURCE, defines(lay, group, variant), KERNELS, device,
+                    arch="compute_80" if dict(variant).get("PORTABLE") else None)
     sizes = torch.zeros(2, dtype=torch.int32, device=f"cuda:{device}")
     ks["kv_sizes"]((1,), (1,), [sizes])
     attn_smem, write_smem = (int(x) for x in sizes.tolist())

@@ -65,7 +65,10 @@ def options(arch: str, defines: dict[str, int]) -> list[str]:
 
 
 def compile_cubin(name: str, arch: str, defines: dict[str, int], log_ptxas: bool = False) -> tuple[bytes, str]:
-    """(cubin, compiler log) of kernels/cuda/<name> for `arch` (e.g. "sm_90"); KernelBuildError with the log."""
+    """(cubin, compiler log) of kernels/cuda/<name> for `arch` (e.g. "sm_90"); KernelBuildError with the log.
+
+    A virtual `arch` ("compute_80") gives PTX instead, which the driver compiles for the GPU it loads on: the portable
+    path (the code for sm_80) timed on a newer GPU."""
     nvrtc = _nvrtc()
     src = source(name).encode()
     opts = [o.encode() for o in options(arch, defines)] + ([b"--ptxas-options=-v"] if log_ptxas else [])
@@ -82,6 +85,11 @@ def compile_cubin(name: str, arch: str, defines: dict[str, int], log_ptxas: bool
         text = buf.decode(errors="replace").rstrip("\x00 \n")
         if int(err) != 0:
             raise KernelBuildError(f"NVRTC could not compile {name} for {arch} ({defines}):\n{text}")
+        if arch.startswith("compute_"):
+            (size,) = _check(nvrtc.nvrtcGetPTXSize(prog), "nvrtcGetPTXSize")
+            ptx = bytearray(size)  # NUL-terminated, as cuModuleLoadData takes PTX
+            _check(nvrtc.nvrtcGetPTX(prog, ptx), "nvrtcGetPTX")
+            return bytes(ptx), text
         (size,) = _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
         cubin = bytearray(size)
         _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")

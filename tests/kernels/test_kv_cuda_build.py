@@ -147,3 +147,16 @@ def test_a_compile_with_an_empty_log_leaves_the_interpreters_bytes_alone() -> No
     cubin, log = nvrtc.compile_cubin("kv_pages.cu", "sm_90", defines)
     assert log == "" and cubin[:4] == b"\x7fELF"
     assert b" " * 3 == b"   " and b" ".decode() == chr(32)  # b"   " is an object of its own; b" " is the shared one
+
+
+def test_the_portable_build_is_ptx_for_sm_80_with_every_kernel() -> None:
+    """`PORTABLE=1` (bench/gpu.py times it on the H200: the path of GPUs before Hopper) is sm_80 PTX, NUL-terminated
+    as the driver loads it, with every KV kernel."""
+    from glyd_engine.format.kv_page import KVPageLayout
+    from glyd_kernels import kv_cuda
+
+    build = kv_cuda.defines(KVPageLayout(128, 32, 68, 4), 4, (("PORTABLE", 1),))
+    ptx, _ = nvrtc.compile_cubin("kv_pages.cu", "compute_80", build)
+    text = ptx.decode()
+    assert ptx.endswith(b"\x00") and ".target sm_80" in text
+    assert all(f".entry {k}(" in text for k in KV_KERNELS), [k for k in KV_KERNELS if f".entry {k}(" not in text]
