@@ -163,8 +163,8 @@ MIN_COUNTS = 1 << 14  # (sequence, KV head) pairs: 2048 sequences of 8 KV heads 
 
 
 class _SplitCounts:
-    """A device's split counters (zero between launches: the last split resets its own). Outgrown buffers stay
-    alive, since a captured graph may replay with them."""
+    """A device's split counters, zero between launches (the last split's atomicInc wraps its own), so a device's
+    decode launches share one stream. Outgrown buffers stay alive, since a captured graph may replay with them."""
 
     def __init__(self) -> None:
         self.now: torch.Tensor | None = None

@@ -575,13 +575,15 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) kv_decode_a
       }
     }
   }
-  if (num_splits == 1 || split_count == nullptr) return;  // one split, or kv_merge launched after this kernel
+  if (num_splits == 1 || num_splits > MERGE_SPLITS || split_count == nullptr) return;  // kv_merge follows, or none
 
   // ---- the last split of this (sequence, KV head) to finish merges them all: no second launch ----
   __threadfence();  // this block's partial rows, published before its count
   __syncthreads();
   int* count = split_count + (long)seq * num_kv_heads + h;
-  if (threadIdx.x == 0) sm.last_split = atomicAdd(count, 1) == num_splits - 1;
+  // atomicInc wraps the last split's count back to 0, ready for the next launch (a CUDA graph replays this one);
+  // the counters are per device, so decode launches on one device run on one stream (vLLM's forward stream)
+  if (threadIdx.x == 0) sm.last_split = atomicInc(reinterpret_cast<unsigned*>(count), num_splits - 1) == num_splits - 1;
   __syncthreads();
   if (!sm.last_split) return;
   __threadfence();  // the other splits' rows, published before their counts, are visible from here
@@ -604,7 +606,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) kv_decode_a
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const int s = lane + 32 * j;
-      if (s < num_splits) weight[hh * MERGE_SPLITS + s] = (M == NEG_INF || l[j] == 0.f) ? 0.f : ex2(m[j] - M) * l[j];
+      if (s < num_splits) weight[hh * MERGE_SPLITS + s] = (M == NEG_INF || l[j] == 0.f) ? 0.f : __fmul_rn(ex2(m[j] - M), l[j]);
     }
   }
   __syncthreads();
@@ -618,15 +620,15 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) kv_decode_a
     for (int s = 0; s < num_splits; ++s) {
       const float4 p = __ldcg(reinterpret_cast<const float4*>(po + (long)s * D));
       const float f = w[s];
-      L += f;
-      O.x += f * p.x, O.y += f * p.y, O.z += f * p.z, O.w += f * p.w;
+      L = __fadd_rn(L, f);  // explicit rounding: kv_merge's bits whatever ptxas contracts
+      O.x = __fmaf_rn(f, p.x, O.x), O.y = __fmaf_rn(f, p.y, O.y);
+      O.z = __fmaf_rn(f, p.z, O.z), O.w = __fmaf_rn(f, p.w, O.w);
     }
     u16* o = out + (long)seq * stride_o0 + (long)(h * GQ + hh) * stride_o1 + d0;
     const float r[4] = {O.x, O.y, O.z, O.w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) o[i] = u16(pack_bf16(L > 0.f ? r[i] / L : 0.f, 0.f) & 0xFFFFu);
   }
-  if (threadIdx.x == 0) *count = 0;  // ready for the next launch (a CUDA graph replays this one)
 }
 
 // The splits of one (sequence, query head) merged in split order by a second launch, one channel a thread, where the
@@ -642,9 +644,9 @@ extern "C" __global__ void kv_merge(u16* __restrict__ out, const float* __restri
   float L = 0.f, O = 0.f;
   for (int s = 0; s < num_splits; ++s) {
     const float m = part_ml[(base + s) * 2], l = part_ml[(base + s) * 2 + 1];
-    const float f = (M == NEG_INF || l == 0.f) ? 0.f : ex2(m - M) * l;
-    L += f;
-    O += f * part_o[(base + s) * D + d];
+    const float f = (M == NEG_INF || l == 0.f) ? 0.f : __fmul_rn(ex2(m - M), l);
+    L = __fadd_rn(L, f);
+    O = __fmaf_rn(f, part_o[(base + s) * D + d], O);
   }
   out[(long)seq * stride_o0 + (long)hq * stride_o1 + d] = u16(pack_bf16(L > 0.f ? O / L : 0.f, 0.f) & 0xFFFFu);
 }
