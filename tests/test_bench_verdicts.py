@@ -155,6 +155,9 @@ def test_engine_gpu_verdicts_count_every_differing_bit() -> None:
     assert eg.verdict(promise, off_by_one) == ["m: greedy_equal 1/2", "m: 1 of 9 values read back differ"]
     nothing = eg.compare(ref, {"kv_tokens": 1})
     assert len(eg.verdict(promise, nothing)) == 4  # no logprobs, no tokens, no values compared: all fail
+    eager = eg.compare({**ref, "compilation_mode": "VLLM_COMPILE"}, {**ref, "compilation_mode": "NONE"})
+    assert eager["prompt_logprobs"]["not_compared"] == "NONE against the reference's VLLM_COMPILE"
+    assert eager["greedy_equal"] == "0/0" and len(eg.verdict(promise, eager)) == 4  # a promise across builds fails
     stress = {"name": "s", "expect": ["values", "preempted"]}
     ran = {"kv_tokens": 1, "stats": {"values_checked": 9, "values_differing": 0},
            "stress": {"requests": 3, "completed": 3}, "metrics": {"vllm:num_preemptions": 2}}
