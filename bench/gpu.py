@@ -481,6 +481,10 @@ def high_escape(args: argparse.Namespace, fa3_fns: tuple[Callable[..., object], 
             src, calib = Source(data_layer, dev, seed=5, shift=shift), Source(cal_layer, dev, seed=6)
             tokens = max(MIN_POOL_TOKENS // 4, max(S * L for S, L in args.high_escape_cells))
             pools = fill_pools(src, args.codes, tokens, dev, calib)
+            reg["tokens"] = pools.tokens
+            reg["refused"] = {f"code{cb}": why for cb, why in pools.refused.items()}
+            for cb, why in pools.refused.items():
+                print(f"high-escape regime {name}: the {cb}-bit code refused {why}", flush=True)
             gen = torch.Generator().manual_seed(17)
             reg["codes"] = check_codes(pools, src, gen, dev, writes=False)
             base = Baseline(pools, dev, out)
@@ -507,6 +511,8 @@ def main_grid(args: argparse.Namespace, fa3_fns: tuple[Callable[..., object], Ca
     bf16_batch = gpu_model.batches(args.kv_gib, None, H, D)["bf16"]
     model_tokens = 0 if args.no_model else 2 * bf16_batch * CONTEXT  # a page code holds < 2x the sequences
     pools = fill_pools(src, args.codes, max(MIN_POOL_TOKENS, max(S * L for S, L in args.cells), model_tokens), dev)
+    for cb, why in pools.refused.items():  # the main grid's codes then show as missing in the verdict
+        log(f"code{cb}", {"refused": why}, out)
     gen = torch.Generator().manual_seed(3)  # one stream, in this order: read-back tiles, accuracy cases, grid cases
     for key, info in check_codes(pools, src, gen, dev, writes=not args.no_writes).items():
         log(key, info, out)

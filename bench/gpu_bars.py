@@ -202,7 +202,12 @@ def high_escape_failures(regimes: Sequence[Mapping[str, object]], codes: Iterabl
             continue
         infos = reg.get("codes")
         infos = infos if isinstance(infos, Mapping) else {}
-        for cb in codes:
+        refused = reg.get("refused")
+        refused = refused if isinstance(refused, Mapping) else {}
+        fails += [f"{name}: {cb}-bit code refused by the overflow arena ({refused[f'code{cb}']})"
+                  for cb in codes if f"code{cb}" in refused]
+        timed = [cb for cb in codes if f"code{cb}" not in refused]
+        for cb in timed:
             info = infos.get(f"code{cb}")
             rate = number(info, "escape_rate") if isinstance(info, Mapping) else None
             if rate is None or not rate >= bars.high_escape_min_rate:
@@ -210,7 +215,7 @@ def high_escape_failures(regimes: Sequence[Mapping[str, object]], codes: Iterabl
                              "not a high-escape regime")
             fails += read_back_failures(f"{name} {cb}-bit", info if isinstance(info, Mapping) else None)
         acc = reg.get("accuracy")
-        fails += accuracy_failures(name, acc if isinstance(acc, list) else [], codes, has_fa3, bars)
+        fails += accuracy_failures(name, acc if isinstance(acc, list) else [], timed, has_fa3, bars)
         rows = reg.get("rows")
         rows = rows if isinstance(rows, list) else []
         for cell in cells:
@@ -220,7 +225,7 @@ def high_escape_failures(regimes: Sequence[Mapping[str, object]], codes: Iterabl
                 fails.append(f"{where}: " + ("missing cell (not timed)" if row is None else f"error {row['error']}"))
                 continue
             fails += column_errors(row, where)
-            fails += [f"{where}: {cb}-bit code not timed" for cb in codes if number(row, f"code{cb}_ms") is None]
+            fails += [f"{where}: {cb}-bit code not timed" for cb in timed if number(row, f"code{cb}_ms") is None]
             if has_fa3 and fa3_ms(row) is None:
                 fails.append(f"{where}: no FlashAttention 3 time")
     return fails

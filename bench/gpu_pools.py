@@ -143,6 +143,7 @@ class Pools:
     v: torch.Tensor
     codes: dict[int, Code]  # bits -> the same tokens in that code's pages
     tokens: int
+    refused: dict[int, str]  # bits -> why the overflow arena refused that code's tokens (its pool dropped)
 
     @property
     def nblocks(self) -> int:
@@ -151,19 +152,26 @@ class Pools:
 
 def fill_pools(src: Source, code_bits: list[int], max_tokens: int, dev: str, calib: Source | None = None) -> Pools:
     """Every code's pages written by the CUDA writer from the same tokens as the bf16 pool, 32k tokens a call (each
-    code's tables calibrated on `calib`, default `src`)."""
+    code's tables calibrated on `calib`, default `src`). A code whose escapes outgrow the overflow arena's address
+    range (MemoryError, as the engine would refuse it) is dropped and named in `refused`; the others go on."""
     chunk = 32768
     max_tokens = -(-max_tokens // chunk) * chunk  # whole chunks: every block of the pool holds written tokens
     nblocks = max_tokens // B
     k_pool = torch.empty(nblocks, B, H, D, dtype=torch.bfloat16, device=dev)
     v_pool = torch.empty_like(k_pool)
     codes = {cb: Code(cb, src, nblocks, dev, calib) for cb in code_bits}
+    refused: dict[int, str] = {}
     for start in range(0, max_tokens, chunk):
         k, v = src.draw(chunk)
         k_pool.view(-1, H, D)[start : start + chunk] = k
         v_pool.view(-1, H, D)[start : start + chunk] = v
         slots = torch.arange(start, start + chunk, device=dev)
-        for code in codes.values():
-            code.write(k, v, slots)
+        for cb, code in list(codes.items()):
+            try:
+                code.write(k, v, slots)
+            except MemoryError as exc:
+                refused[cb] = f"after {start} of {max_tokens} tokens: {exc}"
+                del codes[cb]
+                torch.cuda.empty_cache()
     torch.cuda.synchronize()
-    return Pools(k_pool, v_pool, codes, max_tokens)
+    return Pools(k_pool, v_pool, codes, max_tokens, refused)

@@ -232,6 +232,17 @@ def test_the_high_escape_regime_must_be_high_run_and_timed() -> None:
     result = passing()
     result["high_escape"][1] = {"name": "scaled-x16", "error": "ArenaFullError()"}
     assert judge(result) == ["high-escape scaled-x16: error ArenaFullError()"]
+    result = passing()  # a code the arena refuses fails once, by name; the other code is still judged in full
+    reg = result["high_escape"][0]
+    reg["refused"] = {"code3": "after 458752 of 524288 tokens: MemoryError"}
+    del reg["codes"]["code3"]
+    for row in [*reg["rows"], *reg["accuracy"]]:
+        for k in [k for k in row if k.startswith("code3")]:
+            row.pop(k)
+    assert judge(result) == ["high-escape other-tables: 3-bit code refused by the overflow arena "
+                             "(after 458752 of 524288 tokens: MemoryError)"]
+    reg["rows"][0].pop("code4_ms")
+    assert judge(result)[1:] == ["high-escape other-tables batch 1 x context 8192: 4-bit code not timed"]
     assert judge(passing(), high=[]) == ["no high-escape regime timed (--high-escape-cells empty) in a full-grid run"]
 
 
