@@ -26,6 +26,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from glyd_engine.bench.kernel_times import format_kernel_times  # noqa: E402
 from glyd_engine.bench.kv import run_engine  # noqa: E402
 
 GIB = 1 << 30
@@ -143,6 +144,17 @@ def verdict(spec: dict[str, Any], row: dict[str, Any] | None) -> list[str]:
     return bad
 
 
+def with_profile(specs: list[dict[str, Any]], cells: str) -> list[dict[str, Any]]:
+    """The specs with sweeps profiling `cells` ("8192x32,8192xmax"), each a context x a batch or the largest."""
+    try:
+        parsed = [[int(c), b if b == "max" else int(b)] for c, _, b in (x.partition("x") for x in cells.split(","))]
+    except ValueError:
+        raise SystemExit(f"--profile {cells!r}: cells are CONTEXTxBATCH, the batch a number or max, e.g. "
+                         "8192x32,8192xmax") from None
+    return [{**s, "work": {**s["work"], "sweep": {**s["work"]["sweep"], "profile": parsed}}}
+            if "sweep" in s.get("work", {}) else s for s in specs]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True)
@@ -155,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("."))
     ap.add_argument("--budget-s", type=float, default=480, help="start no engine past this many seconds")
     ap.add_argument("--timeout-s", type=float, default=300)
+    ap.add_argument("--profile", default="",
+                    help="sweep cells (plan speed) whose decode runs once more under torch's profiler, e.g. "
+                         "8192x32,8192xmax: the largest kernels of each engine side by side")
     ap.add_argument("--deadline-s", type=float, default=0,
                     help="end the run by this many seconds: each engine's timeout is clipped to what is left (a GPU "
                          "call's limit), and one with less than a minute left is not started")
@@ -168,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         specs = [s for s in specs if s["name"] in keep or s is specs[0]]
     if a.eager:
         specs = [{**s, "eager": True} for s in specs]
+    if a.profile:
+        specs = with_profile(specs, a.profile)
     t0 = time.monotonic()
     results: dict[str, Any] = {}
     failures: list[str] = []
@@ -211,6 +228,11 @@ def report(a: argparse.Namespace, specs: list[dict[str, Any]], results: dict[str
                 print(f"{name:12s} ctx={row['context']:6d} batch={row['batch']:4d} "
                       + (f"tok/s={row['decode_tokens_per_s']:9.1f} ttft={row['ttft_s']:.3f}s" if row["fits"]
                          else "does not fit"), flush=True)
+        for name, res in results.items():
+            for row in res.get("sweep", []):
+                if "profile" in row:
+                    label = f"{name} ctx={row['context']} batch={row['batch']} (a prefix-cache prefill, then decode)"
+                    print(format_kernel_times(label, row["profile"]), flush=True)
         for f in failures:
             print("FAILED", f)
     import torch

@@ -196,3 +196,57 @@ def test_an_engine_child_killed_at_its_timeout_leaves_its_log(tmp_path: Path, mo
     with pytest.raises(RuntimeError, match=r"killed after 2 s(.|\n)*loading weights(.|\n)*compiling graphs"):
         kv.run_engine({"model": "m", "mode": "off"}, timeout=2, log=log, module="slow_child")
     assert "loading weights" in log.read_text() and "compiling graphs" in log.read_text()
+
+
+def test_kernel_times_puts_the_largest_first_and_sums_the_rest() -> None:
+    """The profile of a decode cell: kernels by total time, shares of the whole, the tail summed in one row."""
+    import torch
+
+    from glyd_engine.bench.kernel_times import format_kernel_times, kernel_times
+
+    a = torch.randn(384, 384)
+    prof = kernel_times(lambda: [(a @ a).relu_().sum() + torch.ones(3).cos().sum() for _ in range(4)], top=2)
+    names = [r["name"] for r in prof["kernels"]]
+    assert prof["device"] == "cpu" and names[0] == "aten::mm" and prof["kernels"][0]["calls"] == 4
+    assert len(names) == 3 and names[2].endswith(" others)")
+    assert abs(sum(r["share"] for r in prof["kernels"]) - 1) < 1e-3
+    assert format_kernel_times("cell", prof).splitlines()[1].endswith("aten::mm")
+
+
+class _Tok:
+    def __call__(self, text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:
+        return {"input_ids": [ord(c) for c in text]}
+
+
+class _Engine:
+    """Stands in for vLLM's LLM in the sweep's bookkeeping: each prompt gets `max_tokens` tokens."""
+
+    def generate(self, prompts: list[Any], sp: Any, use_tqdm: bool = False) -> list[Any]:
+        from types import SimpleNamespace
+
+        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[7] * sp.max_tokens)]) for _ in prompts]
+
+
+def test_the_sweep_profiles_the_cells_asked_and_marks_what_does_not_fit() -> None:
+    pytest.importorskip("vllm")
+    sweep = {"contexts": [64, 512], "batches": [1, 4], "max_tokens": 8, "largest": [64],
+             "profile": [[64, 4], [64, "max"]]}
+    rows = kv.decode_sweep(_Engine(), _Tok(), sweep, kv_tokens=1200)
+    cells = [(r["context"], r["batch"], r["fits"], "profile" in r) for r in rows]
+    # a sequence takes context + 8 new + 16 tokens: 1200 hold one of 536, not four; the largest batch at 64 is 13
+    assert cells == [(64, 1, True, False), (64, 4, True, True), (64, 13, True, True), (512, 1, True, False),
+                     (512, 4, False, False)]
+    assert all(r["decode_tokens_per_s"] > 0 for r in rows if r["fits"])
+    assert rows[1]["profile"]["device"] == "cpu" and rows[1]["profile"]["total_ms"] >= 0
+
+
+def test_engine_gpu_profile_cells_reach_the_sweeps_and_bad_ones_are_refused() -> None:
+    eg = _engine_gpu()
+    specs = eg.plans("/m", 2, 64)["speed"]
+    got = eg.with_profile(specs, "8192x32,8192xmax")
+    assert all(s["work"]["sweep"]["profile"] == [[8192, 32], [8192, "max"]] for s in got)
+    assert "profile" not in specs[0]["work"]["sweep"]  # the plan itself is left as it was
+    demo = eg.plans("/m", 2, 64, "/p")["demo"]
+    assert eg.with_profile(demo, "1024x1") == demo  # no sweep, nothing to profile
+    with pytest.raises(SystemExit, match="CONTEXTxBATCH"):
+        eg.with_profile(specs, "8192-32")

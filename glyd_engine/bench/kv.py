@@ -106,8 +106,11 @@ def decode_sweep(llm: Any, tok: Any, sweep: dict[str, Any], kv_tokens: int) -> l
     once (which fills the prefix cache: the time of the first is the time to first token), prefilled again from the
     cache with one new token (t1), then decoded `max_tokens` more from the cache (t2): the decode rate is
     batch x max_tokens / (t2 - t1). A cell whose batch x (context + new tokens) exceeds the cache is "does not fit";
-    contexts named in `largest` also run the largest batch the cache holds."""
+    contexts named in `largest` also run the largest batch the cache holds. Cells named in `profile` ([context,
+    batch or "max"]) run their decode once more under torch's profiler, after the timed runs (`profile` in the row:
+    glyd_engine/bench/kernel_times.py)."""
     new = int(sweep.get("max_tokens", 64))
+    profiled = {(int(c), str(b)) for c, b in sweep.get("profile", [])}
     rows = []
     for ctx in sweep["contexts"]:
         for batch in sweep["batches"] + (["max"] if ctx in sweep.get("largest", []) else []):
@@ -130,6 +133,10 @@ def decode_sweep(llm: Any, tok: Any, sweep: dict[str, Any], kv_tokens: int) -> l
             done = sum(len(o) for o in outs) - b
             rows.append({**row, "fits": True, "ttft_s": round(ttft, 4), "t1_s": round(t1, 4), "t2_s": round(t2, 4),
                          "decode_tokens_per_s": round(done / max(1e-9, t2 - t1), 1)})
+            if (ctx, str(batch)) in profiled:
+                from glyd_engine.bench.kernel_times import kernel_times
+
+                rows[-1]["profile"] = kernel_times(lambda prompts=prompts: _greedy(llm, prompts, 1 + new))
     return rows
 
 
