@@ -32,6 +32,21 @@ from glyd_engine.bench.kv import run_engine  # noqa: E402
 GIB = 1 << 30
 
 
+STRESS_BF16_TOKENS = 540  # the stress engine's KV memory in bf16 tokens: ~720 in 4-bit pages, short of its requests
+
+
+def bf16_token_bytes(model: str) -> int:
+    """Bytes a token of a bf16 KV cache takes in every layer (K and V), from the model's config.json; the demo
+    model's 23,040 where there is none to read."""
+    try:
+        cfg = json.loads((Path(model) / "config.json").read_text())
+        head = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+        return int(cfg["num_hidden_layers"]) * int(kv_heads) * int(head) * 2 * 2
+    except (OSError, ValueError, KeyError, TypeError):
+        return 30 * 3 * 64 * 4
+
+
 def plans(model: str, logprob_prompts: int, logprob_len: int, packed: str = "") -> dict[str, list[dict[str, Any]]]:
     """Named lists of engine specs; the first of a plan is its reference (off under the same settings)."""
     work = {"logprobs": [logprob_len] * logprob_prompts,
@@ -41,9 +56,9 @@ def plans(model: str, logprob_prompts: int, logprob_len: int, packed: str = "") 
     base = {"model": model, "gpu": True, "one_schedule": True, "kv_bytes": 2 * GIB,
             "max_model_len": max(4096, logprob_len + 64), "work": work}
     speed = {"model": model, "gpu": True, "one_schedule": True, "gpu_memory_utilization": 0.9,
-             "max_model_len": 8192 + 256, "max_num_seqs": 256,
-             "work": {"sweep": {"contexts": [1024, 8192], "batches": [1, 8, 32, 64, 128], "max_tokens": 64,
-                                "largest": [8192]}}}
+             "max_model_len": 32768 + 256, "max_num_seqs": 256,
+             "work": {"sweep": {"contexts": [1024, 8192, 32768], "batches": [1, 8, 32, 64, 128], "max_tokens": 64,
+                                "largest": [8192, 32768]}}}
     weights_work = {**work, "speed": {**work["speed"], "batches": [1, 64]}}
     return {
         # each KV mode with vLLM's defaults (the check engine runs eager), and a Glyd checkpoint of the same model in
@@ -56,7 +71,8 @@ def plans(model: str, logprob_prompts: int, logprob_len: int, packed: str = "") 
              "work": {k: v for k, v in work.items() if k != "speed"}, "expect": ["values"]},
             # a cache too small for its requests: preemption, chunked prefill and prefix hits, every value read back
             {**base, "name": "lossless-stress", "mode": "lossless", "eager": True, "check": True,
-             "kv_bytes": 12 << 20, "max_model_len": 640, "max_num_batched_tokens": 64,
+             "kv_bytes": STRESS_BF16_TOKENS * bf16_token_bytes(model), "max_model_len": 640,
+             "max_num_batched_tokens": 64,
              "work": {"stress": {"n": 24, "prefix": 150, "tail": 100, "extra": [560, 400, 300], "max_tokens": 32}},
              "expect": ["values", "preempted"]},
             {**base, "name": "weights-exact", "mode": "off", "model": packed, "weights": "exact", "work": weights_work,

@@ -250,3 +250,16 @@ def test_engine_gpu_profile_cells_reach_the_sweeps_and_bad_ones_are_refused() ->
     assert eg.with_profile(demo, "1024x1") == demo  # no sweep, nothing to profile
     with pytest.raises(SystemExit, match="CONTEXTxBATCH"):
         eg.with_profile(specs, "8192-32")
+
+
+def test_the_stress_cache_is_short_of_its_requests_on_any_model(tmp_path: Path) -> None:
+    """The stress engine's KV memory follows the model's bf16 token size, so an 8B-shaped model gets ~720 tokens
+    too, not a cache smaller than one request."""
+    eg = _engine_gpu()
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 36, "num_attention_heads": 32,
+                                                      "num_key_value_heads": 8, "head_dim": 128,
+                                                      "hidden_size": 4096}))
+    stress = next(s for s in eg.plans(str(tmp_path), 2, 64, "")["demo"] if s["name"] == "lossless-stress")
+    assert stress["kv_bytes"] == 540 * 36 * 8 * 128 * 4
+    demo = next(s for s in eg.plans("/no/such/model", 2, 64, "")["demo"] if s["name"] == "lossless-stress")
+    assert demo["kv_bytes"] == 540 * 23040 and demo["kv_bytes"] // 17460 >= demo["max_model_len"]
