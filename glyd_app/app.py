@@ -109,7 +109,7 @@ class GlydApp(App[None]):
 
     @property
     def stats_bar(self) -> StatsBar:
-        return self.chat_screen.query_one(StatsBar)
+        return self.chat_screen.stats_bar
 
     def asked_first(self, spec: str, then: Callable[[str], None]) -> bool:
         """Where `spec` is a model that will be slow here (a Glyd checkpoint with no CUDA GPU) and the user has

@@ -59,6 +59,8 @@ class ChatScreen(Screen[None]):
         super().__init__()
         self.session = session
         session.view = self
+        # one bar for the screen's life: engine events that land while the screen mounts or unmounts still have it
+        self.stats_bar = StatsBar(id="stats")
         self.reply_view: MessageView | None = None
         self.pending: list[Attachment] = []  # files attached to the message being typed
 
@@ -68,7 +70,7 @@ class ChatScreen(Screen[None]):
         yield VerticalScroll(id="messages")
         yield Static("", id="attached", markup=False)
         yield ChatInput(id="input")
-        yield StatsBar(id="stats")
+        yield self.stats_bar
         yield Footer()
 
     async def on_mount(self) -> None:
@@ -234,7 +236,7 @@ class ChatScreen(Screen[None]):
             await self.reply_view.append(text)
 
     def reply_stats(self, stats: Stats) -> None:
-        self.query_one(StatsBar).stats = stats
+        self.stats_bar.stats = stats
 
     async def reply_finished(self, status: str) -> None:
         view, self.reply_view = self.reply_view, None
@@ -243,7 +245,7 @@ class ChatScreen(Screen[None]):
             view.set_note(FINISH_NOTES.get(status) or (FINISH_NOTES["error"] if status == "interrupted" else ""))
 
     def busy_changed(self, busy: bool) -> None:
-        bar = self.query_one(StatsBar)
+        bar = self.stats_bar
         if busy:
             bar.stats = None  # the previous reply's numbers say nothing about this one
         bar.busy = busy

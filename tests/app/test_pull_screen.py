@@ -91,6 +91,9 @@ async def test_too_large_is_refused_and_a_broken_download_resumes(
         await pilot.click("#download")
         await wait_for(pilot, lambda: bool(screen.error), what="the broken download reported")
         assert "broke off at 1,200,000" in screen.error
-        await pilot.click("#download")  # now labelled Resume
+        button = screen.query_one("#download", Button)
+        await wait_for(pilot, lambda: not button.disabled and str(button.label) == "Resume", what="Resume")
+        await pilot.pause()  # the error text re-flows the screen: click where the button is drawn now
+        await pilot.click("#download")
         await wait_for(pilot, lambda: app.session.model_spec == "org/tiny")
         assert hub.file_gets("model.safetensors") == ["", "bytes=1200000-"]
