@@ -42,6 +42,7 @@ async def _open_pull(pilot, app: GlydApp, repo_id: str) -> PullScreen:  # type: 
     screen = app.screen
     assert isinstance(screen, PullScreen)
     await wait_for(pilot, lambda: screen.plan is not None or bool(screen.error), what="the plan")
+    await pilot.pause()  # the plan's text re-flows the screen before a click finds the button where it is drawn
     return screen
 
 
