@@ -583,7 +583,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) kv_decode_a
   int* count = split_count + (long)seq * num_kv_heads + h;
   // atomicInc wraps the last split's count back to 0, ready for the next launch (a CUDA graph replays this one);
   // the counters are per device, so decode launches on one device run on one stream (vLLM's forward stream)
-  if (threadIdx.x == 0) sm.last_split = atomicInc(reinterpret_cast<unsigned*>(count), num_splits - 1) == num_splits - 1;
+  if (threadIdx.x == 0)
+    sm.last_split = atomicInc(reinterpret_cast<unsigned*>(count), num_splits - 1) == num_splits - 1;
   __syncthreads();
   if (!sm.last_split) return;
   __threadfence();  // the other splits' rows, published before their counts, are visible from here
@@ -606,7 +607,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) kv_decode_a
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const int s = lane + 32 * j;
-      if (s < num_splits) weight[hh * MERGE_SPLITS + s] = (M == NEG_INF || l[j] == 0.f) ? 0.f : __fmul_rn(ex2(m[j] - M), l[j]);
+      if (s < num_splits)
+        weight[hh * MERGE_SPLITS + s] = (M == NEG_INF || l[j] == 0.f) ? 0.f : __fmul_rn(ex2(m[j] - M), l[j]);
     }
   }
   __syncthreads();
