@@ -28,6 +28,8 @@ sys.path.insert(0, str(ROOT))
 
 from glyd_engine.bench.kernel_times import format_kernel_times  # noqa: E402
 from glyd_engine.bench.kv import run_engine  # noqa: E402
+from glyd_engine.errors import UnsupportedModelError  # noqa: E402
+from glyd_engine.model_shape import AttentionShape  # noqa: E402
 
 GIB = 1 << 30
 
@@ -39,12 +41,10 @@ def bf16_token_bytes(model: str) -> int:
     """Bytes a token of a bf16 KV cache takes in every layer (K and V), from the model's config.json; the demo
     model's 23,040 where there is none to read."""
     try:
-        cfg = json.loads((Path(model) / "config.json").read_text())
-        head = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-        kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
-        return int(cfg["num_hidden_layers"]) * int(kv_heads) * int(head) * 2 * 2
-    except (OSError, ValueError, KeyError, TypeError):
+        shape = AttentionShape.from_model_dir(Path(model))
+    except (OSError, UnsupportedModelError):
         return 30 * 3 * 64 * 4
+    return shape.num_layers * shape.num_kv_heads * shape.head_size * 2 * 2
 
 
 def plans(model: str, logprob_prompts: int, logprob_len: int, packed: str = "") -> dict[str, list[dict[str, Any]]]:
@@ -112,10 +112,8 @@ def compare(ref: dict[str, Any], got: dict[str, Any]) -> dict[str, Any]:
     lp = _diff(ref.get("prompt_logprobs"), got.get("prompt_logprobs")) if same_build else {
         "positions": 0, "differing": None, "max_abs_diff": None,
         "not_compared": f"{got.get('compilation_mode')} against the reference's {ref.get('compilation_mode')}"}
-    pairs = same_build and zip(ref.get("greedy", []), got.get("greedy", []), strict=False)
-    greedy = [a == b for a, b in pairs or []]
-    pairs = same_build and zip(ref.get("prefix_greedy", []), got.get("prefix_greedy", []), strict=False)
-    prefix = [a == b for a, b in pairs or []]
+    greedy, prefix = ([[a == b for a, b in zip(ref.get(k, []), got.get(k, []), strict=False)] if same_build else []
+                       for k in ("greedy", "prefix_greedy")])
     stats = got.get("stats", {})
     return {
         "kv_tokens": got.get("kv_tokens"),
