@@ -19,6 +19,7 @@ entries, and the c of all touched runs sum to at most the top; a run never takes
 
 from __future__ import annotations
 
+import logging
 import weakref
 
 import torch
@@ -29,6 +30,41 @@ HEADROOM_TOKENS = 256  # the arena keeps room for two writes of this many tokens
 LIVE_HEADROOM = 32  # sequences, one ahead as with async scheduling) beyond this many times its live runs
 MAX_UNITS = 1 << 27  # run offsets are 27 bits of 8-entry units in the run pointers
 BANK_SLOTS = 4096  # overflow stores (attention layers) one device's counter bank holds
+
+log = logging.getLogger("vllm.glyd.kernels")
+
+
+def worst_after(bound: int, tokens: int, num_heads: int, head_size: int) -> int:
+    """The bound (entries) after a write of `tokens` tokens (see the module docstring)."""
+    grow = 2 * bound + tokens * num_heads * 2 * (2 * head_size + OVERFLOW_MIN_RUN)
+    return bound + min(grow, tokens * num_heads * 2 * max_run(head_size))
+
+
+def max_run(head_size: int) -> int:
+    """The largest run a tile can need: every value of a kind in its 16 tokens, as a power of two."""
+    return 1 << (TILE * head_size - 1).bit_length()
+
+
+def arena_target(live: int, tokens: int, num_heads: int, head_size: int) -> int:
+    """The entries a compaction leaves the arena with `live` entries in runs before a write of `tokens` tokens
+    (bounded by HEADROOM_TOKENS). Two writes in flight take the bound from a top t to 9 t + 4 w (w a write's new
+    values); the new arena leaves that room (the top is the live runs right after compaction, their moved runs'
+    space later)."""
+    tokens = min(tokens, HEADROOM_TOKENS)
+    return max(worst_after(live, tokens, num_heads, head_size),
+               LIVE_HEADROOM * live + 4 * worst_after(0, HEADROOM_TOKENS, num_heads, head_size))
+
+
+def fresh_entries(num_heads: int, head_size: int) -> int:
+    """Entries of an arena with no live runs. An engine takes this much a layer before vLLM profiles memory
+    (`reserve_arena`), so vLLM's KV budget counts it; only rare values make an arena grow past it."""
+    return arena_target(0, HEADROOM_TOKENS, num_heads, head_size)
+
+
+def reserve_arena(num_heads: int, head_size: int, device: torch.device) -> torch.Tensor:
+    """A layer's first arena, allocated now: taken while vLLM loads the model, it is held before vLLM's memory
+    profile, which gives the KV cache only what is left (the store adopts it when the cache is bound)."""
+    return torch.zeros(fresh_entries(num_heads, head_size), dtype=torch.int16, device=device)
 
 
 class ArenaFullError(RuntimeError):
@@ -123,16 +159,9 @@ class DeviceRuns:
     def capacity(self) -> int:
         return self.store.arena.numel()
 
-    @property
-    def max_run(self) -> int:
-        """The largest run a tile can need: every value of a kind in its 16 tokens, as a power of two."""
-        return 1 << (TILE * self.head_size - 1).bit_length()
-
     def worst(self, bound: int, tokens: int) -> int:
         """The bound after a write of `tokens` tokens (see the module docstring)."""
-        h = self.store.num_heads
-        grow = 2 * bound + tokens * h * 2 * (2 * self.head_size + OVERFLOW_MIN_RUN)
-        return bound + min(grow, tokens * h * 2 * self.max_run)
+        return worst_after(bound, tokens, self.store.num_heads, self.head_size)
 
     def need_for(self, tokens: int) -> torch.Tensor:
         """The writer's `need` [tokens, H, 2], all zero (the writer zeroes what it marks once a retry succeeds)."""
@@ -253,17 +282,14 @@ class DeviceRuns:
         self.bound = self.worst(top, self.reserved) if self.reserved else top
 
     def make_room(self, tokens: int, extra: int = 0) -> None:
-        """After `wait`: compact into a larger arena if a write of `tokens` (bounded by HEADROOM_TOKENS) and `extra`
-        more entries would not fit. Two writes in flight take the bound from a top t to 9 t + 4 w (w a write's new
-        values); the new arena leaves that room (the top is the live runs right after compaction, their moved runs'
-        space later)."""
+        """After `wait`: compact (in place, or into a larger arena) if a write of `tokens` (bounded by
+        HEADROOM_TOKENS) and `extra` more entries would not fit (`arena_target`)."""
         want = self.worst(self.bound, min(tokens, HEADROOM_TOKENS)) + extra
         if want <= self.capacity and not extra:
             return
         live = int(OverflowStore.unpack(self.store.ptr)[1].sum())
-        target = max(self.worst(live, min(tokens, HEADROOM_TOKENS)),
-                     LIVE_HEADROOM * live + 4 * self.worst(0, HEADROOM_TOKENS))
-        target += extra
+        target = arena_target(live, tokens, self.store.num_heads, self.head_size) + extra
+        before = self.capacity
         try:
             if -(-target // OVERFLOW_MIN_RUN) > MAX_UNITS:
                 raise MemoryError(f"the Glyd overflow arena would pass {MAX_UNITS * OVERFLOW_MIN_RUN} entries "
@@ -278,6 +304,11 @@ class DeviceRuns:
         self.counters[1] = 0
         self._exact(top)
         self.arena_ref()
+        fresh = fresh_entries(self.store.num_heads, self.head_size)
+        if self.capacity > max(before, fresh):
+            log.warning("Glyd KV cache: a layer's overflow arena grew to %.1f MB (%d entries in runs), %.1f MB past "
+                        "the %.1f MB held inside vLLM's KV budget: values rarer than the KV tables expect",
+                        2 * self.capacity / 1e6, live, 2 * (self.capacity - fresh) / 1e6, 2 * fresh / 1e6)
 
 
 def _no_misses(missed: int) -> None:

@@ -149,15 +149,57 @@ def test_compaction_moves_live_runs_and_loses_nothing():
     codec.write(cache, ovf, x, x.flip(0), slots)
     firsts = torch.arange(0, n // 2, b)  # the first half's tiles restart with one token each
     codec.write(cache, ovf, x.flip(0)[firsts], x[firsts], slots[firsts])
-    held, top_before = ovf.bytes_held // 2, ovf._top
-    top = ovf.compact(0)
-    assert top == held < top_before and ovf.arena.numel() == top and ovf.grows >= 1
+    held, top_before, where = ovf.bytes_held // 2, ovf._top, ovf.arena.data_ptr()
+    top = ovf.compact(0)  # room enough: in place
+    assert top == held < top_before and ovf.arena.data_ptr() == where and ovf.grows >= 1
+    k, v = read_tokens(codec, cache, ovf, torch.arange(nb), n)
+    assert same_bits(k[firsts], x.flip(0)[firsts]) and same_bits(v[firsts], x[firsts])
+    size = ovf.arena.numel()
+    assert ovf.compact(size + 1) == top and ovf.arena.numel() == size + 8  # a larger arena, whole 8-entry runs
     k, v = read_tokens(codec, cache, ovf, torch.arange(nb), n)
     assert same_bits(k[firsts], x.flip(0)[firsts]) and same_bits(v[firsts], x[firsts])
     assert same_bits(k[n // 2 :], x[n // 2 :]) and same_bits(v[n // 2 :], x.flip(0)[n // 2 :])
     codec.write(cache, ovf, x, x, slots)  # runs taken after compaction
     k, v = read_tokens(codec, cache, ovf, torch.arange(nb), n)
     assert same_bits(k, x) and same_bits(v, x)
+
+
+def test_a_store_writes_into_the_arena_it_adopted():
+    """The engine's arena, taken before vLLM profiled memory, is the store's until rare values outgrow it: runs go
+    into it (no growth) and read back bit for bit; a store with runs already refuses another."""
+    from glyd_kernels import kv_overflow
+
+    h, d, b = 2, 64, 16
+    x = all_patterns()[:4096].reshape(-1, h, d)
+    n = x.shape[0]
+    codec = kv_page.KVPageCodec(kv_page.KVPageLayout(d, b, 12), tops_for(x[:50], x.flip(0)[:50]))
+    nb = n // b
+    cache, ovf = codec.new_cache(nb), codec.new_overflow(nb)
+    arena = kv_overflow.reserve_arena(h, d, torch.device("cpu"))
+    assert arena.dtype == torch.int16 and arena.numel() == kv_overflow.fresh_entries(h, d)
+    ovf.adopt(arena)
+    codec.write(cache, ovf, x, x.flip(0), slots_for(n, b, torch.arange(nb)))
+    assert ovf.runs_in_use > 0 and ovf.grows == 0 and ovf.arena.data_ptr() == arena.data_ptr()
+    k, v = read_tokens(codec, cache, ovf, torch.arange(nb), n)
+    assert same_bits(k, x) and same_bits(v, x.flip(0))
+    with pytest.raises(ValueError, match="before its first run"):
+        ovf.adopt(torch.zeros(64, dtype=torch.int16))
+    with pytest.raises(ValueError, match="int16"):
+        codec.new_overflow(nb).adopt(torch.zeros(64, dtype=torch.int32))
+
+
+@pytest.mark.parametrize(("h", "d"), [(1, 64), (8, 128), (3, 256)])
+def test_a_fresh_arena_is_what_a_compaction_with_no_live_runs_leaves(h: int, d: int):
+    """What the engine reserves a layer is the room the host's bound asks of an empty arena for any decode step of up
+    to HEADROOM_TOKENS sequences, so such steps never move it; live runs ask for more."""
+    from glyd_kernels import kv_overflow as ko
+
+    fresh = ko.fresh_entries(h, d)
+    for tokens in (1, 64, ko.HEADROOM_TOKENS, 4 * ko.HEADROOM_TOKENS):
+        assert ko.arena_target(0, tokens, h, d) == fresh
+        assert ko.worst_after(ko.worst_after(0, min(tokens, ko.HEADROOM_TOKENS), h, d),
+                              min(tokens, ko.HEADROOM_TOKENS), h, d) <= fresh
+    assert ko.arena_target(1000, 1, h, d) > fresh and ko.arena_target(1000, 1, h, d) >= ko.worst_after(1000, 1, h, d)
 
 
 @st.composite

@@ -308,6 +308,16 @@ class OverflowStore:
         self.free = {}
         self._top = 0
 
+    def adopt(self, arena: torch.Tensor) -> None:
+        """Take `arena` (int16, on this store's device, contents unused) as the arena of a store with no runs yet:
+        the engine's arena taken before vLLM profiled memory."""
+        if self._top or bool((self.ptr >= 0).any()):
+            raise ValueError("an overflow store adopts an arena only before its first run")
+        if arena.dtype != torch.int16 or arena.dim() != 1 or arena.device != self.ptr.device:
+            raise ValueError(f"an overflow arena is int16 [entries] on {self.ptr.device}, not {arena.dtype} "
+                             f"{tuple(arena.shape)} on {arena.device}")
+        self.arena = arena[: arena.numel() // OVERFLOW_MIN_RUN * OVERFLOW_MIN_RUN]
+
     @staticmethod
     def unpack(ptr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(offset, capacity) in entries, int64; offset -1 and capacity 0 where there is no run."""
@@ -360,20 +370,22 @@ class OverflowStore:
         return self.unpack(self.ptr[tiles, heads, kv])[0]
 
     def compact(self, capacity: int) -> int:
-        """Move the live runs to the front of a new arena of at least `capacity` entries, in pointer order, and
+        """Move the live runs to the front of an arena of at least `capacity` entries, in pointer order, and
         rewrite their pointers; returns the entries they take (the new top). Space of moved or given-back runs
-        (the CUDA writer leaves a grown run's old space behind) is reclaimed here."""
+        (the CUDA writer leaves a grown run's old space behind) is reclaimed here. The arena stays where it is when
+        it is large enough (an engine's first arena is inside vLLM's KV budget), else a larger one replaces it."""
         offset, cap = self.unpack(self.ptr)
         live = (offset >= 0).view(-1)
         offs, caps = offset.view(-1)[live], cap.view(-1)[live]
         starts = torch.cumsum(caps, 0) - caps
         top = int(caps.sum())
         size = -(-max(capacity, top) // OVERFLOW_MIN_RUN) * OVERFLOW_MIN_RUN
-        arena = torch.zeros(size, dtype=torch.int16, device=self.arena.device)
+        arena = self.arena if size <= self.arena.numel() else torch.zeros(size, dtype=torch.int16,
+                                                                           device=self.arena.device)
         if top:
             run = torch.repeat_interleave(torch.arange(caps.numel(), device=caps.device), caps)
             within = torch.arange(top, device=caps.device) - starts[run]
-            arena[:top] = self.arena[offs[run] + within]
+            arena[:top] = self.arena[offs[run] + within]  # the gather copies first, so in place is safe
             flat = self.ptr.view(-1)
             flat[live] = ((starts // OVERFLOW_MIN_RUN) << 4 | (flat[live] & 15).to(torch.int64)).to(torch.int32)
         self.arena, self.free, self._top = arena, {}, top

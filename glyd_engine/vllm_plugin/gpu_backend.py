@@ -223,7 +223,16 @@ class GlydGPUAttentionImpl(AttentionImpl):
         self.tables = state.rank_tables(cfg.model_config.model)  # this worker's layers and KV heads
         self.code_bits = settings.code_bits(cfg)
         self._fa_impl: Any = None
+        self._arena: torch.Tensor | None = None
         if self.impl == "cuda":
+            from glyd_kernels import kv_overflow
+
+            # taken now, while vLLM loads the model: its memory profile then counts the arena in what the KV cache
+            # may not use, so cache and arena together stay inside gpu_memory_utilization
+            if kv_sharing_target_layer_name is None:
+                self._arena = kv_overflow.reserve_arena(self.num_kv_heads, head_size,
+                                                        torch.device("cuda", torch.cuda.current_device()))
+                state.note_arena_reserve(self._arena)
             try:
                 from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
 
@@ -232,7 +241,7 @@ class GlydGPUAttentionImpl(AttentionImpl):
                 self._fa_impl = None
 
     def _state(self, layer: Any, kv_cache: torch.Tensor) -> state.LayerState:
-        st = state.LAYERS.get(layer.layer_name)
+        old = st = state.LAYERS.get(layer.layer_name)
         if st is not None and st.data_ptr == kv_cache.data_ptr():
             return st
         from vllm.model_executor.models.utils import extract_layer_index
@@ -243,7 +252,11 @@ class GlydGPUAttentionImpl(AttentionImpl):
         index = extract_layer_index(layer.layer_name)
         codec = self.tables.codec(index, block_size, self.code_bits)
         pages = state.page_view(kv_cache, codec.layout.page_bytes)
-        kv = KVLayer(codec.layout, codec.tops, pages, impl=self.impl)
+        # the arena reserved at start, or the one of this layer's previous cache (vLLM's profiling binds one first)
+        arena = old.overflow.arena if old is not None and self._arena is None else self._arena
+        state.log_arena_reserve()
+        self._arena = None
+        kv = KVLayer(codec.layout, codec.tops, pages, impl=self.impl, arena=arena if self.impl == "cuda" else None)
         codec = kv.codec or codec  # the reference path's codec is the one that writes (and counts)
         shadow = None
         if self.check:

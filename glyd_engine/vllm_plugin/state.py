@@ -131,6 +131,20 @@ class Stats:
 
 
 STATS = Stats()
+ARENA_RESERVE = {"bytes": 0, "layers": 0, "logged": False}  # overflow arenas taken before vLLM's memory profile
+
+
+def note_arena_reserve(arena: torch.Tensor) -> None:
+    ARENA_RESERVE["bytes"] += arena.numel() * arena.element_size()
+    ARENA_RESERVE["layers"] += 1
+
+
+def log_arena_reserve() -> None:
+    """Once a process, when the first cache is bound: what the overflow arenas took inside vLLM's budget."""
+    if ARENA_RESERVE["layers"] and not ARENA_RESERVE["logged"]:
+        ARENA_RESERVE["logged"] = True
+        log.info("Glyd KV cache: the overflow arenas of %d layers take %.1f MB, held before vLLM profiled memory, "
+                 "so its KV budget counts them", ARENA_RESERVE["layers"], ARENA_RESERVE["bytes"] / 1e6)
 COMPARE = {"paused": False}  # check mode: compares can pause (speed runs); the shadow is always written
 
 
@@ -247,7 +261,7 @@ def worker_stats(worker: Any = None) -> dict[str, int]:
     s = STATS
     held = sum(st.overflow.bytes_held for st in LAYERS.values())
     grows = sum(st.overflow.grows for st in LAYERS.values())
-    arena = sum(st.overflow.arena.numel() for st in LAYERS.values())
+    arena = sum(2 * st.overflow.arena.numel() for st in LAYERS.values())
     codecs = [st.codec.stats for st in LAYERS.values()]
     return {"values_written": sum(c.values for c in codecs), "escapes": sum(c.escapes for c in codecs),
             "overflow_values": sum(c.overflow for c in codecs),

@@ -243,6 +243,34 @@ def test_decode_steps_wait_for_the_device_only_when_the_arena_fills() -> None:
     check_tokens(cache, lay, tops, ovf, torch.cat(slots), torch.cat(ks), torch.cat(vs))
 
 
+def test_decode_steps_write_into_the_arena_reserved_before_the_cache() -> None:
+    """The engine's first arena (taken before vLLM profiles memory) takes decode steps' runs where it is: a layer that
+    adopted it writes its first step's overflow there without a compaction, later steps move it only as the live
+    runs ask (arena_target), and every value reads back."""
+    from glyd_kernels import kv_overflow
+    from glyd_kernels.kv_layer import KVLayer
+
+    d, h, block, seqs, steps = 128, 8, 16, 64, 32
+    g = torch.Generator().manual_seed(4)
+    k0, v0 = model_like(256, h, d, g)
+    lay = kp.KVPageLayout(d, block, 4, 3)  # a short list: some tiles overflow
+    nb = seqs * math.ceil(steps / block)
+    arena = kv_overflow.reserve_arena(h, d, torch.device(DEV))
+    layer = KVLayer(lay, tops_for(k0, v0, 3), torch.zeros(nb, h, lay.page_bytes, dtype=torch.uint8, device=DEV),
+                    arena=arena)
+    ks, vs, slots = [], [], decode_steps(seqs, steps, block, torch.randperm(nb, generator=g))
+    for i, sl in enumerate(slots):
+        k, v = model_like(seqs, h, d, g)
+        layer.reserve(seqs)
+        layer.write(k.to(DEV), v.to(DEV), sl.to(DEV))
+        ks.append(k), vs.append(v)
+        if i == 0:
+            torch.cuda.synchronize()
+            assert layer.overflow.arena.data_ptr() == arena.data_ptr() and layer.overflow.grows == 0
+            assert int(kv_overflow.device_runs(layer.overflow, d).counters[0]) > 0  # runs taken in it
+    check_tokens(layer.pages, lay, layer.tops, layer.overflow, torch.cat(slots), torch.cat(ks), torch.cat(vs))
+
+
 def check_tokens(cache, lay, tops, ovf, slots, k, v) -> None:
     """Every token at `slots` reads back as k, v [N, H, D], bit for bit."""
     from glyd_kernels import kv_cuda
@@ -358,7 +386,9 @@ def test_decode_steps_replayed_from_a_cuda_graph_equal_eager_steps() -> None:
         q = inputs(i)
         if i in (5, 20):  # the arena moves between replays
             runs.wait()
-            runs.make_room(0, extra=1 << 16)
+            where = graphed.overflow.arena.data_ptr()
+            runs.make_room(0, extra=runs.capacity)
+            assert graphed.overflow.arena.data_ptr() != where
         graphed.reserve(seqs)
         graph.replay()
         step(eager, out_e)
