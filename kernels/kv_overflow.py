@@ -294,7 +294,14 @@ class DeviceRuns:
             if -(-target // OVERFLOW_MIN_RUN) > MAX_UNITS:
                 raise MemoryError(f"the Glyd overflow arena would pass {MAX_UNITS * OVERFLOW_MIN_RUN} entries "
                                   "(nearly every value of this cache an escape)")
-            top = self.store.compact(target)
+            try:
+                top = self.store.compact(target)
+            except torch.OutOfMemoryError as exc:
+                raise MemoryError(
+                    f"Glyd KV cache: a layer's overflow arena must grow to {2 * target / 1e6:.0f} MB ({live} entries "
+                    "in runs: values far rarer than the KV tables expect) and the GPU has no room left; the write "
+                    "that asked stored nothing without room. Lower gpu_memory_utilization to leave room beside vLLM's "
+                    "budget, or run with GLYD_KV=off") from exc
         except BaseException:
             # misses `wait` reported belong to this failure (the write stays incomplete), not to a wrong bound: the
             # next snapshot must not report them as an ArenaFullError

@@ -497,16 +497,23 @@ def test_a_reservation_stays_counted_when_the_host_waits_for_the_top() -> None:
     assert top <= runs.bound, (top, runs.bound)
 
 
-def test_an_arena_that_cannot_grow_leaves_no_misses_behind(monkeypatch: pytest.MonkeyPatch) -> None:
-    """When the arena cannot grow, the misses of the write that asked are that failure's: the next snapshot must
-    not report them as a wrong bound (ArenaFullError)."""
+@pytest.mark.parametrize("limit", ["range", "memory"])
+def test_an_arena_that_cannot_grow_leaves_no_misses_behind(monkeypatch: pytest.MonkeyPatch, limit: str) -> None:
+    """When the arena cannot grow (past its address range, or the GPU is full), the error says why and what to do, and
+    the misses of the write that asked are that failure's: the next snapshot must not report them as a wrong bound
+    (ArenaFullError)."""
     from glyd_kernels import kv_overflow
 
     ovf = kp.OverflowStore(4, 2, device=DEV)
     runs = kv_overflow.device_runs(ovf, 64)
     runs.counters[1] = 3  # tiles of a checked write that found no room
-    monkeypatch.setattr(kv_overflow, "MAX_UNITS", 1)
-    with pytest.raises(MemoryError, match="overflow arena would pass"):
+    if limit == "range":
+        monkeypatch.setattr(kv_overflow, "MAX_UNITS", 1)
+    else:
+        def full(capacity: int) -> int:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        monkeypatch.setattr(ovf, "compact", full)
+    with pytest.raises(MemoryError, match="overflow arena would pass" if limit == "range" else "gpu_memory_utilization"):
         runs.make_room(256, extra=1 << 20)
     assert int(runs.counters[1]) == 0
     runs.wait()  # no ArenaFullError
