@@ -513,7 +513,7 @@ def test_an_arena_that_cannot_grow_leaves_no_misses_behind(monkeypatch: pytest.M
         def full(capacity: int) -> int:
             raise torch.OutOfMemoryError("CUDA out of memory")
         monkeypatch.setattr(ovf, "compact", full)
-    why = "overflow arena would pass" if limit == "range" else "lower gpu_memory_utilization"
+    why = "overflow arena would pass" if limit == "range" else "Lower gpu_memory_utilization"
     with pytest.raises(MemoryError, match=why):
         runs.make_room(256, extra=1 << 20)
     assert int(runs.counters[1]) == 0
