@@ -187,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--deadline-s", type=float, default=0,
                     help="end the run by this many seconds: each engine's timeout is clipped to what is left (a GPU "
                          "call's limit), and one with less than a minute left is not started")
+    ap.add_argument("--reference", type=Path, default=None,
+                    help="an engine_PLAN.json written on this GPU by an earlier call: its reference row is used and "
+                         "the reference engine is not run again (a plan whose engines do not fit one call's limit)")
     ap.add_argument("--logprob-prompts", type=int, default=15)
     ap.add_argument("--logprob-len", type=int, default=2048)
     a = ap.parse_args(argv)
@@ -202,7 +205,11 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     results: dict[str, Any] = {}
     failures: list[str] = []
+    if a.reference is not None:
+        results[specs[0]["name"]] = earlier_reference(a.reference, a.plan, specs[0]["name"])
     for spec in specs:
+        if spec["name"] in results:
+            continue
         now = time.monotonic() - t0
         left = a.deadline_s - now - 10 if a.deadline_s else a.timeout_s  # 10 s to compare and write the JSON
         if now > a.budget_s or left < 60:
@@ -218,6 +225,20 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc(limit=1)
         report(a, specs, results, failures, final=False)  # a call killed at its limit keeps the engines done
     return 1 if report(a, specs, results, failures, final=True) else 0
+
+
+def earlier_reference(path: Path, plan: str, name: str) -> dict[str, Any]:
+    """The reference engine's row of an earlier run of the same plan on a GPU of the same name (refused otherwise:
+    its figures would not be side by side)."""
+    import torch
+
+    doc = json.loads(path.read_text())
+    here = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    if doc.get("plan") != plan or name not in doc.get("results", {}):
+        raise SystemExit(f"--reference {path}: no {name!r} engine of plan {plan!r} there")
+    if doc.get("device") != here:
+        raise SystemExit(f"--reference {path} ran on {doc.get('device')}, this is {here}: run the reference here")
+    return {**doc["results"][name], "reference_from": f"{path} ({doc.get('date')})"}
 
 
 def report(a: argparse.Namespace, specs: list[dict[str, Any]], results: dict[str, Any], failures: list[str],

@@ -236,7 +236,7 @@ def test_the_sweep_profiles_the_cells_asked_and_marks_what_does_not_fit() -> Non
     # a sequence takes context + 8 new + 16 tokens: 1200 hold one of 536, not four; the largest batch at 64 is 13
     assert cells == [(64, 1, True, False), (64, 4, True, True), (64, 13, True, True), (512, 1, True, False),
                      (512, 4, False, False)]
-    assert all(r["decode_tokens_per_s"] > 0 for r in rows if r["fits"])
+    assert all(r["decode_tokens_per_s"] > 0 and len(r["runs_tokens_per_s"]) == 3 for r in rows if r["fits"])
     assert rows[1]["profile"]["device"] == "cpu" and rows[1]["profile"]["total_ms"] >= 0
 
 
@@ -263,3 +263,22 @@ def test_the_stress_cache_is_short_of_its_requests_on_any_model(tmp_path: Path) 
     assert stress["kv_bytes"] == 540 * 36 * 8 * 128 * 4
     demo = next(s for s in eg.plans("/no/such/model", 2, 64, "")["demo"] if s["name"] == "lossless-stress")
     assert demo["kv_bytes"] == 540 * 23040 and demo["kv_bytes"] // 17460 >= demo["max_model_len"]
+
+
+def test_an_earlier_reference_is_taken_only_from_the_same_plan_and_gpu(tmp_path: Path) -> None:
+    """The speed plan's engines do not fit one GPU call: a later call takes the reference row an earlier call wrote,
+    on a GPU of the same name only."""
+    import torch
+
+    eg = _engine_gpu()
+    here = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    row = {"kv_tokens": 100, "sweep": []}
+    doc = tmp_path / "engine_speed.json"
+    doc.write_text(json.dumps({"plan": "speed", "device": here, "date": "d", "results": {"off": row}}))
+    got = eg.earlier_reference(doc, "speed", "off")
+    assert got["kv_tokens"] == 100 and got["reference_from"].endswith("(d)")
+    with pytest.raises(SystemExit, match="no 'off' engine of plan 'demo'"):
+        eg.earlier_reference(doc, "demo", "off")
+    doc.write_text(json.dumps({"plan": "speed", "device": "another GPU", "results": {"off": row}}))
+    with pytest.raises(SystemExit, match="run the reference here"):
+        eg.earlier_reference(doc, "speed", "off")

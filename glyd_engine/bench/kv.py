@@ -105,11 +105,13 @@ def decode_sweep(llm: Any, tok: Any, sweep: dict[str, Any], kv_tokens: int) -> l
     """Decode tokens a second at each context x batch, prefill left out: the batch's distinct prompts are prefilled
     once (which fills the prefix cache: the time of the first is the time to first token), prefilled again from the
     cache with one new token (t1), then decoded `max_tokens` more from the cache (t2): the decode rate is
-    batch x max_tokens / (t2 - t1). A cell whose batch x (context + new tokens) exceeds the cache is "does not fit";
-    contexts named in `largest` also run the largest batch the cache holds. Cells named in `profile` ([context,
-    batch or "max"]) run their decode once more under torch's profiler, after the timed runs (`profile` in the row:
-    glyd_engine/bench/kernel_times.py)."""
+    batch x max_tokens / (t2 - t1), t1 and t2 each the least of `repeats` runs (single runs of the same cell on one
+    GPU differ by up to 1.5x, though the kernels' time in them does not). A cell whose batch x (context + new
+    tokens) exceeds the cache is "does not fit"; contexts named in `largest` also run the largest batch the cache
+    holds. Cells named in `profile` ([context, batch or "max"]) run their decode once more under torch's profiler,
+    after the timed runs (`profile` in the row: glyd_engine/bench/kernel_times.py)."""
     new = int(sweep.get("max_tokens", 64))
+    repeats = max(1, int(sweep.get("repeats", 3)))
     profiled = {(int(c), str(b)) for c, b in sweep.get("profile", [])}
     rows = []
     for ctx in sweep["contexts"]:
@@ -124,15 +126,20 @@ def decode_sweep(llm: Any, tok: Any, sweep: dict[str, Any], kv_tokens: int) -> l
             _greedy(llm, prompts[:1], 1)
             ttft = time.monotonic() - t
             _greedy(llm, prompts, 1)  # the rest of the batch into the prefix cache
-            t = time.monotonic()
-            _greedy(llm, prompts, 1)
-            t1 = time.monotonic() - t
-            t = time.monotonic()
-            outs = _greedy(llm, prompts, 1 + new)
-            t2 = time.monotonic() - t
+            t1s, t2s = [], []
+            for _ in range(repeats):
+                t = time.monotonic()
+                _greedy(llm, prompts, 1)
+                t1s.append(time.monotonic() - t)
+                t = time.monotonic()
+                outs = _greedy(llm, prompts, 1 + new)
+                t2s.append(time.monotonic() - t)
             done = sum(len(o) for o in outs) - b
+            t1, t2 = min(t1s), min(t2s)
             rows.append({**row, "fits": True, "ttft_s": round(ttft, 4), "t1_s": round(t1, 4), "t2_s": round(t2, 4),
-                         "decode_tokens_per_s": round(done / max(1e-9, t2 - t1), 1)})
+                         "decode_tokens_per_s": round(done / max(1e-9, t2 - t1), 1),
+                         "runs_tokens_per_s": [round(done / max(1e-9, y - x), 1)
+                                               for x, y in zip(t1s, t2s, strict=True)]})
             if (ctx, str(batch)) in profiled:
                 from glyd_engine.bench.kernel_times import kernel_times
 
