@@ -174,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--plan", default="demo")
     ap.add_argument("--packed", default="", help="the model's Glyd checkpoint (plan demo)")
-    ap.add_argument("--only", default="", help="comma-separated engine names of the plan to run")
+    ap.add_argument("--only", default="", help="comma-separated engine names of the plan to run; the plan's reference "
+                                               "(its first engine) runs too, unless --reference gives its row")
     ap.add_argument("--eager", action="store_true",
                     help="every engine eager, the reference too: the numbers' check in a fraction of the start time, "
                          "not of torch.compile and CUDA graphs")
