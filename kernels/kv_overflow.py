@@ -314,7 +314,8 @@ class DeviceRuns:
         fresh = fresh_entries(self.store.num_heads, self.head_size)
         if self.capacity > max(before, fresh):
             log.warning("Glyd KV cache: a layer's overflow arena grew to %.1f MB (%d entries in runs), %.1f MB past "
-                        "the %.1f MB held inside vLLM's KV budget: values rarer than the KV tables expect",
+                        "its first %.1f MB (taken before vLLM's memory profile): values rarer than the KV tables "
+                        "expect",
                         2 * self.capacity / 1e6, live, 2 * (self.capacity - fresh) / 1e6, 2 * fresh / 1e6)
 
 

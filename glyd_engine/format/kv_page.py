@@ -287,7 +287,7 @@ class OverflowStore:
     entry `offset + i`. A run is taken on a tile's first overflow, moved to one twice the size when it fills,
     and given back when its tile is rewritten from token 0 (runs belong to the tile, as vLLM's pages do to
     the block id). The arena grows when no free run fits: rare prompts cost memory outside the pages, never
-    data. `grows` counts those events.
+    data. `grows` counts those events and compactions.
     """
 
     num_tiles: int
