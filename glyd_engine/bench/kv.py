@@ -136,6 +136,8 @@ def decode_sweep(llm: Any, tok: Any, sweep: dict[str, Any], kv_tokens: int) -> l
                 t2s.append(time.monotonic() - t)
             done = sum(len(o) for o in outs) - b
             t1, t2 = min(t1s), min(t2s)
+            print(f"sweep ctx={ctx} batch={b}: ttft {ttft:.3f} s, decode {min(t2s):.3f} s", file=sys.stderr,
+                  flush=True)  # the child's log shows how far a run killed at its limit got
             rows.append({**row, "fits": True, "ttft_s": round(ttft, 4), "t1_s": round(t1, 4), "t2_s": round(t2, 4),
                          "decode_tokens_per_s": round(done / max(1e-9, t2 - t1), 1),
                          "runs_tokens_per_s": [round(done / max(1e-9, y - x), 1)
