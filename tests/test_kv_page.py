@@ -149,9 +149,10 @@ def test_compaction_moves_live_runs_and_loses_nothing():
     codec.write(cache, ovf, x, x.flip(0), slots)
     firsts = torch.arange(0, n // 2, b)  # the first half's tiles restart with one token each
     codec.write(cache, ovf, x.flip(0)[firsts], x[firsts], slots[firsts])
-    held, top_before, where = ovf.bytes_held // 2, ovf._top, ovf.arena.data_ptr()
+    held, top_before, where, grows = ovf.bytes_held // 2, ovf._top, ovf.arena.data_ptr(), ovf.grows
     top = ovf.compact(0)  # room enough: in place
-    assert top == held < top_before and ovf.arena.data_ptr() == where and ovf.grows >= 1
+    assert top == held < top_before and ovf.arena.data_ptr() == where
+    assert ovf.grows == grows and ovf.compactions == 1
     k, v = read_tokens(codec, cache, ovf, torch.arange(nb), n)
     assert same_bits(k[firsts], x.flip(0)[firsts]) and same_bits(v[firsts], x[firsts])
     size = ovf.arena.numel()

@@ -287,7 +287,7 @@ class OverflowStore:
     entry `offset + i`. A run is taken on a tile's first overflow, moved to one twice the size when it fills,
     and given back when its tile is rewritten from token 0 (runs belong to the tile, as vLLM's pages do to
     the block id). The arena grows when no free run fits: rare prompts cost memory outside the pages, never
-    data. `grows` counts those events and compactions.
+    data. `grows` counts those events, `compactions` the CUDA writer's repacks (in place or into a larger arena).
     """
 
     num_tiles: int
@@ -298,6 +298,7 @@ class OverflowStore:
     arena: torch.Tensor = field(init=False)
     free: dict[int, list[int]] = field(init=False)
     grows: int = 0
+    compactions: int = 0
     values_written: int = 0
     device_runs: object = field(default=None, init=False, repr=False, compare=False)  # the CUDA writer's allocation
 
@@ -380,8 +381,8 @@ class OverflowStore:
         starts = torch.cumsum(caps, 0) - caps
         top = int(caps.sum())
         size = -(-max(capacity, top) // OVERFLOW_MIN_RUN) * OVERFLOW_MIN_RUN
-        arena = self.arena if size <= self.arena.numel() else torch.zeros(size, dtype=torch.int16,
-                                                                           device=self.arena.device)
+        grow = size > self.arena.numel()
+        arena = torch.zeros(size, dtype=torch.int16, device=self.arena.device) if grow else self.arena
         if top:
             run = torch.repeat_interleave(torch.arange(caps.numel(), device=caps.device), caps)
             within = torch.arange(top, device=caps.device) - starts[run]
@@ -389,7 +390,8 @@ class OverflowStore:
             flat = self.ptr.view(-1)
             flat[live] = ((starts // OVERFLOW_MIN_RUN) << 4 | (flat[live] & 15).to(torch.int64)).to(torch.int32)
         self.arena, self.free, self._top = arena, {}, top
-        self.grows += 1
+        self.grows += grow
+        self.compactions += 1
         return top
 
     def _take(self, size: int) -> int:

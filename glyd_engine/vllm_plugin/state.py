@@ -261,10 +261,12 @@ def worker_stats(worker: Any = None) -> dict[str, int]:
     s = STATS
     held = sum(st.overflow.bytes_held for st in LAYERS.values())
     grows = sum(st.overflow.grows for st in LAYERS.values())
+    compactions = sum(st.overflow.compactions for st in LAYERS.values())
     arena = sum(2 * st.overflow.arena.numel() for st in LAYERS.values())
     codecs = [st.codec.stats for st in LAYERS.values()]
     return {"values_written": sum(c.values for c in codecs), "escapes": sum(c.escapes for c in codecs),
             "overflow_values": sum(c.overflow for c in codecs),
             "overflow_bytes_held": held, "overflow_arena_bytes": arena, "overflow_grows": grows,
+            "overflow_compactions": compactions,
             "pages_decoded": s.pages_decoded, "values_checked": s.values_checked,
             "values_differing": s.values_differing, "split_batches": s.split_batches, "layers": len(LAYERS)}

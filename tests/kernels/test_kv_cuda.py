@@ -320,7 +320,7 @@ def test_overflow_runs_taken_on_the_device_lose_nothing(code_bits: int) -> None:
         assert top <= runs.bound <= runs.capacity, (top, runs.bound, runs.capacity)
         ks.append(k), vs.append(v), all_slots.append(sl)
     assert runs.checked < steps // 2, runs.checked  # most decode steps ran unchecked
-    assert ovf_gpu.grows >= 2 and int(runs.counters[1]) == 0
+    assert ovf_gpu.compactions >= 2 and ovf_gpu.grows >= 1 and int(runs.counters[1]) == 0
     assert torch.equal(cache_gpu.cpu(), cache_cpu)
     check_tokens(cache_gpu, lay, tops_gpu, ovf_gpu, torch.cat(all_slots), torch.cat(ks), torch.cat(vs))
 
