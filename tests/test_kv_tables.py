@@ -120,3 +120,32 @@ def test_tables_of_an_older_version_or_not_this_page_code_are_refused(tmp_path):
     # a head size the page code does not hold
     with pytest.raises(UnsupportedModelError, match="head size 80"):
         KVTables.uniform(1, 1, 80)
+
+
+def test_build_device_follows_the_setting_and_says_what_is_wrong(demo_model_dir, monkeypatch):
+    monkeypatch.setenv(build.BUILD_DEVICE_ENV, "cpu")
+    assert build.build_device(demo_model_dir).type == "cpu"
+    monkeypatch.setenv(build.BUILD_DEVICE_ENV, "gpu0")
+    with pytest.raises(ValueError, match="say cpu or cuda"):
+        build.build_device(demo_model_dir)
+    monkeypatch.delenv(build.BUILD_DEVICE_ENV)
+    if not torch.cuda.is_available():
+        assert build.build_device(demo_model_dir).type == "cpu"
+        monkeypatch.setenv(build.BUILD_DEVICE_ENV, "cuda")
+        with pytest.raises(RuntimeError, match="no CUDA GPU"):
+            build.build_device(demo_model_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_build_on_the_gpu_agrees_with_the_cpu_build(demo_model_dir, monkeypatch):
+    """The GPU build (bf16) picks the CPU build's (float32) window tops but for channels whose counts tie or sit at
+    rounding edges: the tables decide the compression ratio only, never exactness."""
+    assert build.build_device(demo_model_dir).type == "cuda"
+    gpu = build.build_tables(demo_model_dir, window=4096, tokens=2048)
+    monkeypatch.setenv(build.BUILD_DEVICE_ENV, "cpu")
+    cpu = build.build_tables(demo_model_dir, window=4096, tokens=2048)
+    for bits in kv_page.CODE_BITS:
+        same = float((gpu.tops[bits] == cpu.tops[bits]).float().mean())
+        assert same > 0.9, (bits, same)
+    assert abs(gpu.token_bytes(4) - cpu.token_bytes(4)) <= 8

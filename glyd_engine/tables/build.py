@@ -30,6 +30,7 @@ log = logging.getLogger("glyd.tables")
 JOB = "kv-tables"
 SEQ_LEN = 512  # tokens a forward pass; positions still span the whole window (see capture.py)
 TOKENS = 24 * 1024  # calibration tokens a build reads by default
+BUILD_DEVICE_ENV = "GLYD_KV_BUILD_DEVICE"
 RESERVE_SIGMAS = 1.0  # escape-list entries a tile = mean + this many standard deviations (Poisson); see docs
 
 
@@ -74,6 +75,30 @@ def counts_to_tables(counts: torch.Tensor) -> tuple[dict[int, torch.Tensor], tor
     return tops, floor, reserve
 
 
+def build_device(model_dir: Path) -> torch.device:
+    """Where the calibration runs: a CUDA GPU with room for the bf16 weights and a margin (an 8B model's build takes
+    about 8 minutes on 16 CPU cores, well under a minute on an H100), else the CPU. GLYD_KV_BUILD_DEVICE=cpu|cuda
+    overrides."""
+    import os
+
+    from glyd_engine.format.checkpoint import is_glyd_checkpoint
+
+    asked = os.environ.get(BUILD_DEVICE_ENV, "").strip().lower()
+    if asked in ("cpu", "cuda"):
+        if asked == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(f"{BUILD_DEVICE_ENV}=cuda, but torch sees no CUDA GPU: unset it to build on the CPU")
+        return torch.device(asked)
+    if asked:
+        raise ValueError(f"{BUILD_DEVICE_ENV}={asked!r}: say cpu or cuda, or unset it to choose by free GPU memory")
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    free, _ = torch.cuda.mem_get_info()
+    stored = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
+    bf16_bytes = 2 * stored if is_glyd_checkpoint(model_dir) else stored  # packed: ~11 bits a weight
+    need = bf16_bytes * 5 // 4 + (2 << 30)  # bf16 weights, activations of 512-token runs, a margin
+    return torch.device("cuda", torch.cuda.current_device()) if free >= need else torch.device("cpu")
+
+
 def build_tables(model_dir: Path, window: int | None = None, tokens: int = TOKENS, seq_len: int = SEQ_LEN,
                  progress: ProgressCallback = no_progress, cancel: CancelToken | None = None) -> KVTables:
     """Build (not cache) the tables for a bf16 model directory."""
@@ -86,13 +111,14 @@ def build_tables(model_dir: Path, window: int | None = None, tokens: int = TOKEN
     window = min(window or shape.max_positions, shape.max_positions)
     seq_len = min(seq_len, window)
     fingerprint = model_fingerprint(model_dir)
-    PhaseTimer(JOB, "loading the model", None, progress, cancel)
-    model = capture.load_model(model_dir, torch.float32)
+    device = build_device(model_dir)
+    PhaseTimer(JOB, f"loading the model ({'GPU' if device.type == 'cuda' else 'CPU'})", None, progress, cancel)
+    model = capture.load_model(model_dir, torch.bfloat16 if device.type == "cuda" else torch.float32, device)
     tokenizer = capture.load_tokenizer(model_dir)
     runs = calibration_ids(tokenizer, seq_len, tokens)
     L, H, D = shape.num_layers, shape.num_kv_heads, shape.head_size
-    counts = torch.zeros(L, 2, H, D, 256, dtype=torch.int64)
-    chan = (torch.arange(H).view(H, 1, 1) * D + torch.arange(D).view(1, 1, D)) * 256
+    counts = torch.zeros(L, 2, H, D, 256, dtype=torch.int64, device=device)
+    chan = (torch.arange(H, device=device).view(H, 1, 1) * D + torch.arange(D, device=device).view(1, 1, D)) * 256
 
     def collect(layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         for kv, x in ((0, key), (1, value)):
@@ -108,10 +134,14 @@ def build_tables(model_dir: Path, window: int | None = None, tokens: int = TOKEN
             capture.run(model, ids, offset)
             timer.update(i + 1)
     del model
+    counts = counts.cpu()
+    if device.type == "cuda":  # an engine starting next in this process gets the GPU's memory back
+        torch.cuda.empty_cache()
     tops, floor, reserve = counts_to_tables(counts)
     tables = KVTables(tops, floor, reserve, fingerprint, window, sum(r.numel() for r in runs),
                       time.monotonic() - start)
-    log.info("KV tables for %s built in %.1f s: %s", model_dir, tables.build_seconds, tables.describe())
+    log.info("KV tables for %s built in %.1f s on the %s: %s", model_dir, tables.build_seconds,
+             "GPU" if device.type == "cuda" else "CPU", tables.describe())
     return tables
 
 

@@ -1,4 +1,4 @@
-"""Run a model with transformers on the CPU and hand each layer's post-RoPE K and V to a callback.
+"""Run a model with transformers (on the CPU, or a GPU) and hand each layer's post-RoPE K and V to a callback.
 
 The capture is an attention function registered with transformers' AttentionInterface: it sees K/V
 exactly as the model attends over them (after RoPE, before GQA repetition), then runs SDPA. Position
@@ -35,10 +35,10 @@ def _capture_attention(module: Any, query: torch.Tensor, key: torch.Tensor, valu
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
-def load_model(model_dir: Path, dtype: torch.dtype = torch.bfloat16) -> Any:
-    """The model on the CPU, attending through the capture function.
+def load_model(model_dir: Path, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu") -> Any:
+    """The model on `device`, attending through the capture function.
 
-    K/V reach callbacks as bf16 whatever `dtype` is. The table build runs in float32, several times
+    K/V reach callbacks as bf16 whatever `dtype` is. On a CPU the table build runs in float32, several times
     faster than bf16 on CPUs without bf16 matrix units; its exponent statistics match bf16's but for
     values at rounding edges, and only the compression ratio, never exactness, depends on them.
     """
@@ -62,7 +62,7 @@ def load_model(model_dir: Path, dtype: torch.dtype = torch.bfloat16) -> Any:
     else:
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation=_NAME)
     model.eval()
-    return model
+    return model.to(device)
 
 
 def load_tokenizer(model_dir: Path) -> Any:
@@ -83,5 +83,6 @@ def capturing(callback: KVCallback) -> Iterator[None]:
 @torch.inference_mode()
 def run(model: Any, ids: torch.Tensor, position_offset: int = 0) -> None:
     """One forward pass over token ids [T] at positions offset..offset+T-1 (K/V go to the callback)."""
-    positions = torch.arange(position_offset, position_offset + ids.numel()).unsqueeze(0)
-    model(input_ids=ids.unsqueeze(0), position_ids=positions, use_cache=False)
+    device = next(model.parameters()).device
+    positions = torch.arange(position_offset, position_offset + ids.numel(), device=device).unsqueeze(0)
+    model(input_ids=ids.to(device).unsqueeze(0), position_ids=positions, use_cache=False)
