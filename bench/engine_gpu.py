@@ -127,6 +127,7 @@ def compare(ref: dict[str, Any], got: dict[str, Any]) -> dict[str, Any]:
         if got.get("decode_tokens_per_s") and ref.get("decode_tokens_per_s") else None,
         "values_checked": stats.get("values_checked"), "values_differing": stats.get("values_differing"),
         "escapes": stats.get("escapes"), "overflow_values": stats.get("overflow_values"),
+        "escapes_held": stats.get("escapes_held"), "overflow_values_held": stats.get("overflow_values_held"),
         "stress": got.get("stress"),
         "preempted": sum(v for k, v in got.get("metrics", {}).items() if "preempt" in k and isinstance(v, int | float)),
         "prefix_hits": sum(v for k, v in got.get("metrics", {}).items()

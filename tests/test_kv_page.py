@@ -127,6 +127,8 @@ def test_all_patterns_as_k_and_v_with_overflow():
     k, v = read_tokens(codec, cache, ovf, blocks, n)
     assert same_bits(k, x) and same_bits(v, x.flip(0))
     assert codec.stats.overflow > 0 and ovf.runs_in_use > 0
+    # the trailers count what the writer counted (the CUDA writer's pages are counted this way)
+    assert kv_page.escapes_held(cache[blocks], codec.layout) == (codec.stats.escapes, codec.stats.overflow)
     # Rewriting the blocks from token 0 gives their overflow runs back before taking new ones.
     held_before, arena_before = ovf.bytes_held, ovf.arena.numel()
     codec.write(cache, ovf, x, x, slots)

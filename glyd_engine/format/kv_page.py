@@ -602,6 +602,18 @@ class KVPageCodec:
         return shape(k), shape(v)
 
 
+def escapes_held(pages: torch.Tensor, lay: KVPageLayout) -> tuple[int, int]:
+    """(escape entries, of which in overflow runs) the tiles' trailers count in pages [blocks, H, page_bytes]: what
+    the cache holds now, the tiles of freed blocks included until they are rewritten (vLLM zeroes its cache when it
+    allocates it, so a block never written counts none). Either writer's pages: the CUDA writer keeps no host-side
+    counts."""
+    tiles = pages[:, :, : lay.page_bytes].unflatten(2, (lay.tiles, lay.tile_bytes))  # a view: no copy of the cache
+    tr = lay.trailer_offset
+    cnt = tiles[..., tr : tr + TRAILER].contiguous().view(torch.int16).to(torch.int64) & _U16  # [n, H, tiles, 4]
+    total = cnt[..., 0] + cnt[..., 1]
+    return int(total.sum()), int((total - cnt[..., 2] - cnt[..., 3]).sum())
+
+
 def decode_tiles(tiles: torch.Tensor, tile_ids: torch.Tensor, tops: torch.Tensor, lay: KVPageLayout,
                  overflow: OverflowStore | None) -> tuple[torch.Tensor, torch.Tensor]:
     """tiles [N, H, tile_bytes] uint8 -> (K, V) [N, H, 16, D] bf16; `tile_ids` name their overflow runs."""

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from glyd_engine.format.kv_page import KVPageCodec, OverflowStore
+from glyd_engine.format.kv_page import KVPageCodec, OverflowStore, escapes_held
 from glyd_engine.tables.kv_tables import KVTables
 from glyd_engine.vllm_plugin.rank_share import RankShare, current_share
 
@@ -257,16 +257,20 @@ def worker_share(worker: Any = None) -> dict[str, Any]:
 
 
 def worker_stats(worker: Any = None) -> dict[str, int]:
-    """Counters of this process, for `llm.collective_rpc(worker_stats)` (the worker is ignored)."""
+    """Counters of this process, for `llm.collective_rpc(worker_stats)` (the worker is ignored). `escapes` and
+    `overflow_values` count what the CPU writer wrote (the CUDA writer keeps no host-side counts); `escapes_held` and
+    `overflow_values_held` are what either writer's pages hold now, read from the tiles' trailers."""
     s = STATS
     held = sum(st.overflow.bytes_held for st in LAYERS.values())
     grows = sum(st.overflow.grows for st in LAYERS.values())
     compactions = sum(st.overflow.compactions for st in LAYERS.values())
     arena = sum(2 * st.overflow.arena.numel() for st in LAYERS.values())
+    held_counts = [escapes_held(st.pages, st.codec.layout) for st in LAYERS.values()]
     codecs = [st.codec.stats for st in LAYERS.values()]
     return {"values_written": sum(c.values for c in codecs), "escapes": sum(c.escapes for c in codecs),
             "overflow_values": sum(c.overflow for c in codecs),
             "overflow_bytes_held": held, "overflow_arena_bytes": arena, "overflow_grows": grows,
             "overflow_compactions": compactions,
+            "escapes_held": sum(e for e, _ in held_counts), "overflow_values_held": sum(o for _, o in held_counts),
             "pages_decoded": s.pages_decoded, "values_checked": s.values_checked,
             "values_differing": s.values_differing, "split_batches": s.split_batches, "layers": len(LAYERS)}

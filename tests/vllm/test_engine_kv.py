@@ -76,6 +76,7 @@ def test_every_value_read_is_the_value_written(lossless: dict) -> None:
     assert s["values_checked"] > 10**8, s
     assert s["values_differing"] == 0, s
     assert s["escapes"] > 0 and s["layers"] == 30, s
+    assert 0 < s["escapes_held"] <= s["escapes"], s  # the pages' trailers hold what the writer wrote, less rewrites
 
 
 def test_stress_completes_and_reads_back_exact(stressed: dict) -> None:

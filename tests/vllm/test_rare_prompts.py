@@ -44,3 +44,4 @@ def test_rare_prompts_complete_exact_and_escape(rare_run: dict) -> None:
     assert s["escapes"] > 0, s
     # rare-token text escapes more than a page's reserve holds: the overflow path ran, and only for some escapes
     assert 0 < s["overflow_values"] < s["escapes"], s
+    assert 0 < s["overflow_values_held"] <= s["overflow_values"], s
