@@ -327,6 +327,8 @@ def test_codec_on_strided_pages():
         overflow[name] = codec.new_overflow(6)
         codec.write(cache, overflow[name], key, value, slots)
     assert torch.equal(strided, dense)
+    held = kv_page.escapes_held(strided, lay)  # the writer counted both writes
+    assert held == kv_page.escapes_held(dense, lay) == (codec.stats.escapes // 2, codec.stats.overflow // 2)
     assert int(backing[:, 0].count_nonzero()) == 0 and int(backing[:, 2].count_nonzero()) == 0
     assert int(backing[:, 1, :, lay.page_bytes :].count_nonzero()) == 0  # nothing past a page's bytes
     k, v = codec.read(strided, overflow["strided"], torch.tensor([1, 4]))  # the blocks the slots fall in
