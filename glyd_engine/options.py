@@ -92,6 +92,10 @@ WEIGHTS = Choice("weights", "GLYD_WEIGHTS", ("auto", "lossless", "exact"), "Glyd
 WEIGHT_LAYOUT = Choice("weight_layout", "GLYD_WEIGHT_LAYOUT", ("auto", "resident", "fragment"), "Glyd weight layout")
 
 PLUGIN: tuple[Choice, ...] = (KERNELS, CODE, CHECK, WEIGHTS, WEIGHT_LAYOUT)  # besides the KV mode (kv_mode.SETTING)
+# Per process, not per engine (a model's tables are built once, before any engine sizes its cache): where the KV table
+# build runs. auto: a CUDA GPU whose free memory holds the bf16 weights, else the CPU (tables/build.py).
+TABLE_BUILD_DEVICE = Choice("build_device", "GLYD_KV_BUILD_DEVICE", ("auto", "cpu", "cuda"),
+                            "Glyd KV table build device")
 
 
 def is_on(value: str) -> bool:

@@ -7,10 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from glyd_engine.errors import CorruptFileError, UnsupportedModelError
+from glyd_engine import options
+from glyd_engine.errors import CorruptFileError, RefusedError, SettingError, UnsupportedModelError
 from glyd_engine.format import kv_page
 from glyd_engine.progress import Cancelled, CancelToken
 from glyd_engine.tables import KVTables, build, ensure_tables, tables_path
+
+ENV_BUILD_DEVICE = options.TABLE_BUILD_DEVICE.env
 
 
 def test_file_round_trip_and_damage(tmp_path):
@@ -123,16 +126,16 @@ def test_tables_of_an_older_version_or_not_this_page_code_are_refused(tmp_path):
 
 
 def test_build_device_follows_the_setting_and_says_what_is_wrong(demo_model_dir, monkeypatch):
-    monkeypatch.setenv(build.BUILD_DEVICE_ENV, "cpu")
+    monkeypatch.setenv(ENV_BUILD_DEVICE, " CPU ")
     assert build.build_device(demo_model_dir).type == "cpu"
-    monkeypatch.setenv(build.BUILD_DEVICE_ENV, "gpu0")
-    with pytest.raises(ValueError, match="say cpu or cuda"):
+    monkeypatch.setenv(ENV_BUILD_DEVICE, "gpu0")
+    with pytest.raises(SettingError, match="use one of auto, cpu, cuda"):
         build.build_device(demo_model_dir)
-    monkeypatch.delenv(build.BUILD_DEVICE_ENV)
+    monkeypatch.delenv(ENV_BUILD_DEVICE)
     if not torch.cuda.is_available():
         assert build.build_device(demo_model_dir).type == "cpu"
-        monkeypatch.setenv(build.BUILD_DEVICE_ENV, "cuda")
-        with pytest.raises(RuntimeError, match="no CUDA GPU"):
+        monkeypatch.setenv(ENV_BUILD_DEVICE, "cuda")
+        with pytest.raises(RefusedError, match="no CUDA GPU.*build the KV tables on the CPU"):
             build.build_device(demo_model_dir)
 
 
@@ -143,7 +146,7 @@ def test_build_on_the_gpu_agrees_with_the_cpu_build(demo_model_dir, monkeypatch)
     rounding edges: the tables decide the compression ratio only, never exactness."""
     assert build.build_device(demo_model_dir).type == "cuda"
     gpu = build.build_tables(demo_model_dir, window=4096, tokens=2048)
-    monkeypatch.setenv(build.BUILD_DEVICE_ENV, "cpu")
+    monkeypatch.setenv(ENV_BUILD_DEVICE, "cpu")
     cpu = build.build_tables(demo_model_dir, window=4096, tokens=2048)
     for bits in kv_page.CODE_BITS:
         same = float((gpu.tops[bits] == cpu.tops[bits]).float().mean())

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from glyd_engine import options as opt
 from glyd_engine.errors import CorruptFileError
 from glyd_engine.format import bf16
 from glyd_engine.format.kv_page import CODE_BITS, TILE, best_windows, check_head_size, valid_reserve, window
@@ -30,7 +31,6 @@ log = logging.getLogger("glyd.tables")
 JOB = "kv-tables"
 SEQ_LEN = 512  # tokens a forward pass; positions still span the whole window (see capture.py)
 TOKENS = 24 * 1024  # calibration tokens a build reads by default
-BUILD_DEVICE_ENV = "GLYD_KV_BUILD_DEVICE"
 RESERVE_SIGMAS = 1.0  # escape-list entries a tile = mean + this many standard deviations (Poisson); see docs
 
 
@@ -76,20 +76,17 @@ def counts_to_tables(counts: torch.Tensor) -> tuple[dict[int, torch.Tensor], tor
 
 
 def build_device(model_dir: Path) -> torch.device:
-    """Where the calibration runs: a CUDA GPU with room for the bf16 weights and a margin (an 8B model's build takes
-    about 8 minutes on 16 CPU cores, well under a minute on an H100), else the CPU. GLYD_KV_BUILD_DEVICE=cpu|cuda
-    overrides."""
-    import os
-
+    """Where the calibration runs: a CUDA GPU with room for the bf16 weights and a margin, else the CPU (an 8B model's
+    build: 18 s on an H100, about 8 minutes on 16 CPU cores; docs/benchmarks.md). `GLYD_KV_BUILD_DEVICE` overrides."""
+    from glyd_engine.errors import RefusedError
     from glyd_engine.format.checkpoint import is_glyd_checkpoint
 
-    asked = os.environ.get(BUILD_DEVICE_ENV, "").strip().lower()
-    if asked in ("cpu", "cuda"):
-        if asked == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError(f"{BUILD_DEVICE_ENV}=cuda, but torch sees no CUDA GPU: unset it to build on the CPU")
+    asked = opt.TABLE_BUILD_DEVICE.read()
+    if asked == "cuda" and not torch.cuda.is_available():
+        raise RefusedError(f"{opt.TABLE_BUILD_DEVICE.env}=cuda, but torch sees no CUDA GPU",
+                           f"unset {opt.TABLE_BUILD_DEVICE.env} (or set it to cpu) to build the KV tables on the CPU")
+    if asked != "auto":
         return torch.device(asked)
-    if asked:
-        raise ValueError(f"{BUILD_DEVICE_ENV}={asked!r}: say cpu or cuda, or unset it to choose by free GPU memory")
     if not torch.cuda.is_available():
         return torch.device("cpu")
     free, _ = torch.cuda.mem_get_info()
