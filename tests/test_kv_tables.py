@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from glyd_engine import options
-from glyd_engine.errors import CorruptFileError, RefusedError, SettingError, UnsupportedModelError
+from glyd_engine.errors import CorruptFileError, GlydError, RefusedError, SettingError, UnsupportedModelError
 from glyd_engine.format import kv_page
 from glyd_engine.progress import Cancelled, CancelToken
 from glyd_engine.tables import KVTables, build, ensure_tables, tables_path
@@ -152,3 +152,28 @@ def test_build_on_the_gpu_agrees_with_the_cpu_build(demo_model_dir, monkeypatch)
         same = float((gpu.tops[bits] == cpu.tops[bits]).float().mean())
         assert same > 0.9, (bits, same)
     assert abs(gpu.token_bytes(4) - cpu.token_bytes(4)) <= 8
+
+
+@pytest.mark.slow
+def test_a_build_in_a_child_process_relays_progress_and_gives_the_same_tables(demo_model_dir, tmp_path, monkeypatch):
+    """What glyd-chat's engine does on a GPU machine (no CUDA context before vLLM), run here on the CPU."""
+    from glyd_engine.format.fingerprint import model_fingerprint
+    from glyd_engine.tables import isolated
+
+    monkeypatch.setenv(ENV_BUILD_DEVICE, "cpu")
+    fingerprint = model_fingerprint(demo_model_dir)
+    events = []
+    child = isolated.build_in_child(demo_model_dir, fingerprint, 1024, 512, events.append)
+    here = build.build_tables(demo_model_dir, 1024, 512)
+    assert all(torch.equal(child.tops[b], here.tops[b]) for b in kv_page.CODE_BITS) and child.reserve == here.reserve
+    assert child.fingerprint == fingerprint and child.window == 1024
+    assert [e.job for e in events] == ["kv-tables"] * len(events) and events[-1].done == events[-1].total == 1
+    token = CancelToken()
+    token.cancel()
+    with pytest.raises(Cancelled):
+        isolated.build_in_child(demo_model_dir, fingerprint, 1024, 512, cancel=token)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text((demo_model_dir / "config.json").read_text())
+    with pytest.raises(GlydError, match="failed in its child process"):
+        isolated.build_in_child(broken, fingerprint, 1024, 512)

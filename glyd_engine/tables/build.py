@@ -169,6 +169,12 @@ def ensure_tables(model_dir: Path, window: int | None = None, progress: Progress
                 log.info("KV tables at %s cover %d positions; rebuilding for %d", path, tables.window, window)
             except CorruptFileError as exc:
                 log.warning("%s; rebuilding", exc)
-        tables = build_tables(model_dir, window, tokens, progress=progress, cancel=cancel)
+        from glyd_engine.tables import isolated
+
+        if isolated.wanted():  # no CUDA context left in a process that starts vLLM next
+            check_head_size(AttentionShape.from_model_dir(model_dir).head_size)  # refusals keep their kind
+            tables = isolated.build_in_child(model_dir, fingerprint, window, tokens, progress, cancel)
+        else:
+            tables = build_tables(model_dir, window, tokens, progress=progress, cancel=cancel)
         tables.save(path)
         return tables
