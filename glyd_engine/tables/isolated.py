@@ -1,14 +1,11 @@
 """The table build in a child process, for a process that has not touched CUDA and will start vLLM next (glyd-chat's
 engine): a GPU build there would leave a CUDA context behind (about half a GB beside vLLM's budget) and make vLLM
 start its engine core by spawn instead of fork. The child builds (on the GPU or the CPU, `build.build_device`),
-streams its progress as JSON lines, and writes the tables to a file the parent loads and checks.
-
-Child: python -m glyd_engine.tables.isolated MODEL_DIR WINDOW TOKENS OUT   (WINDOW 0: the model's)
+streams its progress as JSON lines, and writes the tables to a file the parent loads and checks (`build_child`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import subprocess
 import sys
@@ -36,7 +33,8 @@ def build_in_child(model_dir: Path, fingerprint: str, window: int | None, tokens
     """`build.build_tables` run by a child process; its progress relayed, its error raised here as a GlydError."""
     with tempfile.TemporaryDirectory(prefix="glyd-kv-build-") as tmp:
         out, err = Path(tmp) / "tables.safetensors", Path(tmp) / "stderr"
-        cmd = [sys.executable, "-m", __name__, str(model_dir), str(window or 0), str(tokens), str(out)]
+        cmd = [sys.executable, "-m", "glyd_engine.tables.build_child", str(model_dir), str(window or 0), str(tokens),
+               str(out)]
         with open(err, "w") as err_f:
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err_f, text=True)
             try:
@@ -55,19 +53,3 @@ def build_in_child(model_dir: Path, fingerprint: str, window: int | None, tokens
             tail = err.read_text(errors="replace").strip().splitlines()[-1:] or ["no message"]
             raise GlydError(f"the KV table build for {model_dir} failed in its child process (exit {rc}): {tail[0]}")
         return KVTables.load(out, fingerprint)
-
-
-def main(argv: list[str]) -> int:
-    from glyd_engine.tables.build import build_tables
-
-    model_dir, window, tokens, out = Path(argv[0]), int(argv[1]), int(argv[2]), Path(argv[3])
-
-    def emit(ev: ProgressEvent) -> None:
-        print(json.dumps(dataclasses.asdict(ev)), flush=True)
-
-    build_tables(model_dir, window or None, tokens, progress=emit).save(out)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
