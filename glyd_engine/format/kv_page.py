@@ -475,7 +475,7 @@ class KVPageCodec:
         heads = torch.arange(H)
         # Old counts (zero for restarted tiles).
         tr = lay.trailer_offset
-        cnt = work[:, :, tr : tr + TRAILER].contiguous().view(torch.int16).to(torch.int64) & _U16  # [U, H, 4]
+        cnt = trailer_counts(work, lay)  # [U, H, 4]
         cnt = torch.where((first == 0).view(U, 1, 1), torch.zeros_like(cnt), cnt)
         n_tot = cnt[..., 0:2].clone()  # [U, H, kv]: entries so far
         n_in = cnt[..., 2:4].clone()  # entries in the page
@@ -602,14 +602,19 @@ class KVPageCodec:
         return shape(k), shape(v)
 
 
+def trailer_counts(tiles: torch.Tensor, lay: KVPageLayout) -> torch.Tensor:
+    """Tiles [..., tile_bytes] uint8 -> their trailers [..., 4] int64: K entries, V entries, K and V in the page."""
+    tr = lay.trailer_offset
+    return tiles[..., tr : tr + TRAILER].contiguous().view(torch.int16).to(torch.int64) & _U16
+
+
 def escapes_held(pages: torch.Tensor, lay: KVPageLayout) -> tuple[int, int]:
     """(escape entries, of which in overflow runs) the tiles' trailers count in pages [blocks, H, page_bytes]: what
     the cache holds now, the tiles of freed blocks included until they are rewritten (vLLM zeroes its cache when it
     allocates it, so a block never written counts none). Either writer's pages: the CUDA writer keeps no host-side
     counts."""
     tiles = pages[:, :, : lay.page_bytes].unflatten(2, (lay.tiles, lay.tile_bytes))  # a view: no copy of the cache
-    tr = lay.trailer_offset
-    cnt = tiles[..., tr : tr + TRAILER].contiguous().view(torch.int16).to(torch.int64) & _U16  # [n, H, tiles, 4]
+    cnt = trailer_counts(tiles, lay)  # [n, H, tiles, 4]
     total = cnt[..., 0] + cnt[..., 1]
     return int(total.sum()), int((total - cnt[..., 2] - cnt[..., 3]).sum())
 
@@ -620,8 +625,7 @@ def decode_tiles(tiles: torch.Tensor, tile_ids: torch.Tensor, tops: torch.Tensor
     n, H, _ = tiles.shape
     D = lay.head_size
     R = lay.reserve
-    tr = lay.trailer_offset
-    cnt = tiles[:, :, tr : tr + TRAILER].contiguous().view(torch.int16).to(torch.int64) & _U16  # [N, H, 4]
+    cnt = trailer_counts(tiles, lay)  # [N, H, 4]
     lst = tiles[:, :, lay.list_offset : lay.list_offset + 2 * R].contiguous().view(torch.int16).to(
         torch.int64) & _U16  # [N, H, R]
     cb = lay.code_bits

@@ -90,6 +90,7 @@ def build_device(model_dir: Path) -> torch.device:
     if not torch.cuda.is_available():
         return torch.device("cpu")
     free, _ = torch.cuda.mem_get_info()
+    # file sizes, not engine.report.weights_report (which would import the engine into the tables: a circle)
     stored = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
     bf16_bytes = 2 * stored if is_glyd_checkpoint(model_dir) else stored  # packed: ~11 bits a weight
     need = bf16_bytes * 5 // 4 + (2 << 30)  # bf16 weights, activations of 512-token runs, a margin
