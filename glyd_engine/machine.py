@@ -6,7 +6,10 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata as md
 import os
+from collections.abc import MutableMapping
 from pathlib import Path
+
+SMALL_MACHINE_CORES = 4  # up to this many cores, vLLM's CPU worker is given all of them
 
 
 def cpu_build() -> bool:
@@ -43,3 +46,14 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+
+
+def model_gets_every_core(env: MutableMapping[str, str]) -> str | None:
+    """On a small machine give vLLM's CPU worker every core: by default it keeps one for the scheduler, which idles
+    while the model runs (on 2 cores the model then runs at ~0.6x). A binding the user set stands. Sets `env`
+    (a server's or an engine child's environment) and returns a note saying so, or None where it changed nothing."""
+    cores = usable_cores()
+    if cores > SMALL_MACHINE_CORES or "VLLM_CPU_NUM_OF_RESERVED_CPU" in env or "VLLM_CPU_OMP_THREADS_BIND" in env:
+        return None
+    env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+    return f"the model runs on all {cores} cores (VLLM_CPU_NUM_OF_RESERVED_CPU=0)"

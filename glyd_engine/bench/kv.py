@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from glyd_engine import torch_extras
+from glyd_engine.machine import cpu_build, model_gets_every_core
 
 RESULT = "GLYD_RESULT "
 DEFAULT_KV_BYTES = 160 * 1024 * 1024
@@ -244,6 +245,8 @@ def child_env() -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(worker_stats) sends a function
     env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+    if cpu_build():
+        model_gets_every_core(env)  # as `glyd serve` runs it: a 2-core machine's engines run ~1.6x faster
     return env
 
 

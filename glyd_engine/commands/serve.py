@@ -27,13 +27,12 @@ from pathlib import Path
 
 from glyd_engine import kv_mode
 from glyd_engine.errors import GlydError
-from glyd_engine.machine import available_memory, cpu_build, usable_cores
+from glyd_engine.machine import available_memory, cpu_build, model_gets_every_core
 
 DEFAULT_HOST = "127.0.0.1"
 MIB = 1 << 20
 KV_SHARE = 8  # the KV cache takes 1/8 of the RAM free at start...
 KV_MIN, KV_MAX = 512 * MIB, 4096 * MIB  # ...within these bounds
-SMALL_MACHINE_CORES = 4
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -143,11 +142,9 @@ def vllm_command(model: str, vllm_args: list[str], env: dict[str, str] | None = 
             args += ["--kv-cache-memory-bytes", str(size)]
             notes.append(f"KV cache {size // MIB} MiB (1/{KV_SHARE} of the free RAM; --kv-cache-memory-bytes "
                          "changes it)")
-        cores = usable_cores()
-        if cores <= SMALL_MACHINE_CORES and "VLLM_CPU_NUM_OF_RESERVED_CPU" not in env \
-                and "VLLM_CPU_OMP_THREADS_BIND" not in env:
-            env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
-            notes.append(f"the model runs on all {cores} cores (VLLM_CPU_NUM_OF_RESERVED_CPU=0)")
+        note = model_gets_every_core(env)
+        if note:
+            notes.append(note)
     return [sys.executable, "-m", "glyd_engine.vllm_cli", "serve", model, *args], notes
 
 

@@ -2,7 +2,7 @@
 
 The packed engine keeps every linear layer and the (tied) embedding in the resident code and decodes each
 weight for its matmul, so it is several times slower than bf16 on the CPU: workloads are the shared `off`
-engine's (a 7,000-token prompt's logprobs, greedy tokens), compared bit for bit. A second engine holds the
+engine's (a 2,500-token prompt's logprobs, greedy tokens), compared bit for bit. A second engine holds the
 weights in the CUDA matmul's fragment layout (`GLYD_WEIGHT_LAYOUT=fragment`, its torch reference here).
 """
 
@@ -16,7 +16,7 @@ import pytest
 
 from glyd_engine.bench.kv import bits_equal
 from glyd_engine.format.checkpoint import read_header
-from tests.vllm.conftest import GREEDY, LONG, MAX_LEN, engine, run_configs
+from tests.vllm.conftest import CHUNK, GREEDY, LONG, MAX_LEN, engine, run_configs
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def packed(packed_demo_dir: Path) -> dict[str, Any]:
     return engine({"model": packed_demo_dir, "mode": "off", "quantization": "glyd", "max_model_len": MAX_LEN,
-                   "work": {"logprobs": [LONG], "greedy": GREEDY}})
+                   "max_num_batched_tokens": CHUNK, "work": {"logprobs": [LONG], "greedy": GREEDY}})
 
 
 @pytest.fixture(scope="module")

@@ -295,10 +295,11 @@ def test_serve_asks_for_the_kv_mode_through_additional_config(monkeypatch: pytes
 def test_serve_sizes_the_cpu_build_for_the_machine(monkeypatch: pytest.MonkeyPatch) -> None:
     """vLLM's CPU defaults (92% of the node's RAM, one core of two kept for its scheduler) do not fit a
     small machine: glyd serve sizes the KV cache from the free RAM and uses every core, unless told."""
+    from glyd_engine import machine
     from glyd_engine.commands import serve
 
     monkeypatch.setattr(serve, "available_memory", lambda: 12 << 30)
-    monkeypatch.setattr(serve, "usable_cores", lambda: 2)
+    monkeypatch.setattr(machine, "usable_cores", lambda: 2)
     env: dict[str, str] = {}
     cmd, notes = serve.vllm_command("/m", [], env, cpu=True)
     assert cmd[-2:] == ["--kv-cache-memory-bytes", str(1536 << 20)] and len(notes) == 2
@@ -312,6 +313,9 @@ def test_serve_sizes_the_cpu_build_for_the_machine(monkeypatch: pytest.MonkeyPat
     assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"  # the user's own setting stands
     cmd, notes = serve.vllm_command("/m", [], {}, cpu=False)
     assert "--kv-cache-memory-bytes" not in cmd and not notes  # CUDA: vLLM's own sizing
+    monkeypatch.setattr(machine, "usable_cores", lambda: 16)
+    env = {}
+    assert machine.model_gets_every_core(env) is None and not env  # a large machine: vLLM's own binding
 
 
 def test_bench_kv_parser() -> None:
