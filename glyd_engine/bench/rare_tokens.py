@@ -221,10 +221,12 @@ def run_rare_bench(model: Path, kv_bytes: int, n: int = 40, length: int = 1400, 
         if "stats" in r:
             s = r["stats"]
             result[m].update({k: s.get(k, 0) for k in ("values_written", "values_checked", "values_differing",
-                                                       "escapes", "overflow_values", "overflow_bytes_held")})
-            written = max(1, s.get("values_written", 0))  # shares of the K/V values written
-            result[m]["escape_rate"] = round(s.get("escapes", 0) / written, 5)
-            result[m]["overflow_rate"] = round(s.get("overflow_values", 0) / written, 5)
+                                                       "escapes", "overflow_values", "overflow_bytes_held",
+                                                       "escapes_held", "overflow_values_held")})
+            # shares of the K/V values written; the CUDA writer keeps no host-side counts, so there none (not 0)
+            written = s.get("values_written", 0)
+            result[m]["escape_rate"] = round(s.get("escapes", 0) / written, 5) if written else None
+            result[m]["overflow_rate"] = round(s.get("overflow_values", 0) / written, 5) if written else None
     first = next(iter(runs.values()))
     result["rare_tokens"] = [t["token"] for t in first["rare_tokens"]]
     if "off" in runs and "lossless" in runs:
