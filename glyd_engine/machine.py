@@ -50,7 +50,7 @@ def usable_cores() -> int:
 
 def model_gets_every_core(env: MutableMapping[str, str]) -> str | None:
     """On a small machine give vLLM's CPU worker every core: by default it keeps one for the scheduler, which idles
-    while the model runs (on 2 cores the model then runs at ~0.6x). A binding the user set stands. Sets `env`
+    while the model runs (on 2 cores the model would get one). A binding the user set stands. Sets `env`
     (a server's or an engine child's environment) and returns a note saying so, or None where it changed nothing."""
     cores = usable_cores()
     if cores > SMALL_MACHINE_CORES or "VLLM_CPU_NUM_OF_RESERVED_CPU" in env or "VLLM_CPU_OMP_THREADS_BIND" in env:

@@ -246,7 +246,7 @@ def child_env() -> dict[str, str]:
     env.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(worker_stats) sends a function
     env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
     if cpu_build():
-        model_gets_every_core(env)  # as `glyd serve` runs it: a 2-core machine's engines run ~1.6x faster
+        model_gets_every_core(env)  # as `glyd serve` runs it
     return env
 
 
