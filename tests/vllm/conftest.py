@@ -72,13 +72,12 @@ def run_configs(cases: dict[str, dict[str, Any]], without_hook: str | None = Non
 
 
 def engine(spec: dict[str, Any]) -> dict[str, Any]:
-    """One engine in a child. A single-worker engine runs vLLM's engine core and worker inside that child
-    (`one_schedule`): two fewer processes importing vLLM (~35 s of a 2-core CI machine's start, per engine), and
-    every prompt queued before the first step, so each engine's schedule is the same run to run."""
+    """One engine in a child, with vLLM's engine core inside it (`one_schedule`; a single worker runs there too):
+    one or two fewer processes importing vLLM (~17 s each on a 2-core CI machine), and every prompt queued before
+    the first step, so each engine's schedule is the same run to run."""
     from glyd_engine.bench.kv import run_engine
 
-    single = spec.get("tensor_parallel_size", 1) == spec.get("pipeline_parallel_size", 1) == 1
-    return run_engine({"kv_bytes": KV_BYTES, "one_schedule": single, **spec}, timeout=900)
+    return run_engine({"kv_bytes": KV_BYTES, "one_schedule": True, **spec}, timeout=900)
 
 
 @pytest.fixture(scope="session")
