@@ -70,10 +70,12 @@ class MessageView(Vertical, can_focus=True):
         self.query_one(".note", Label).display = bool(self.note)
 
     def set_note(self, note: str) -> None:
+        """Safe before the view has composed (a reply that ends at once): compose then shows `self.note`."""
         self.note = note
-        label = self.query_one(".note", Label)
-        label.update(note)
-        label.display = bool(note)
+        labels = self.query(".note").results(Label)
+        for label in labels:
+            label.update(note)
+            label.display = bool(note)
 
     async def append(self, text: str) -> None:
         """Stream a fragment in; MarkdownStream coalesces fast writes into fewer re-renders."""
