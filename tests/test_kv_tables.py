@@ -142,16 +142,19 @@ def test_build_device_follows_the_setting_and_says_what_is_wrong(demo_model_dir,
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_build_on_the_gpu_agrees_with_the_cpu_build(demo_model_dir, monkeypatch):
-    """The GPU build (bf16) picks the CPU build's (float32) window tops but for channels whose counts tie or sit at
-    rounding edges: the tables decide the compression ratio only, never exactness."""
+    """The GPU build (bf16) and the CPU build (float32) give tables of the same compression: the same escape-list
+    reserve within a page's rounding, and the 3-bit code's tops but for channels at rounding edges. The 4-bit code's
+    16-exponent window holds every exponent of most channels from several tops, ties go to the highest, and one value
+    more or less at a channel's edge moves it: its tops differ in most channels (22% equal on an H100) at the same
+    cost. The tables decide the compression ratio only, never exactness."""
     assert build.build_device(demo_model_dir).type == "cuda"
     gpu = build.build_tables(demo_model_dir, window=4096, tokens=2048)
     monkeypatch.setenv(ENV_BUILD_DEVICE, "cpu")
     cpu = build.build_tables(demo_model_dir, window=4096, tokens=2048)
+    same = float((gpu.tops[3] == cpu.tops[3]).float().mean())
+    assert same > 0.9, same
     for bits in kv_page.CODE_BITS:
-        same = float((gpu.tops[bits] == cpu.tops[bits]).float().mean())
-        assert same > 0.9, (bits, same)
-    assert abs(gpu.token_bytes(4) - cpu.token_bytes(4)) <= 8
+        assert abs(gpu.token_bytes(bits) - cpu.token_bytes(bits)) <= 8, (bits, gpu.describe(), cpu.describe())
 
 
 @pytest.mark.slow
