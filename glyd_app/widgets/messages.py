@@ -72,8 +72,7 @@ class MessageView(Vertical, can_focus=True):
     def set_note(self, note: str) -> None:
         """Safe before the view has composed (a reply that ends at once): compose then shows `self.note`."""
         self.note = note
-        labels = self.query(".note").results(Label)
-        for label in labels:
+        for label in self.query(".note").results(Label):
             label.update(note)
             label.display = bool(note)
 
