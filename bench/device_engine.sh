@@ -4,9 +4,11 @@
 # under $OUT and prints a short line; the call's limit is LIMIT seconds (default 590), and the engine bench's deadline
 # is what is left of it. Restarts cleanly on a warm machine (the model and its KV tables are kept in /tmp). Carry
 # .vllm-device/make_model.py (the staging tool puts it there) in the call that runs the step `model`.
-#   STEPS="model speed"   ONLY=lossless   REF=bench/results/engine_speed_off_h100_2026-12-06_a.json   (H100 only)
+#   STEPS="model speed"   ONLY=off,lossless   PROFILE=8192x32,8192xmax   (both engines side by side: about 530 s)
+#   STEPS="model speed"   ONLY=off-triton   REF=<this GPU's engine_speed.json>   (one engine against a reference row)
 #   STEPS="model values"  (the demo plan's check engines: every value read back, preemption)
-#   STEPS="kernels app"   (tests/kernels, the GPU table build, glyd-chat and glyd serve on the GPU)
+#   STEPS="kernels app"   (tests/kernels, the GPU table build, glyd-chat and glyd serve on the GPU; the staging's EXTRA
+#                          files carry the server's wheels: bench/serve_deps.py names what is missing)
 # Use: bash bench/device_engine.sh
 cd "$(dirname "$0")/.." || exit 2
 source bench/device_setup.sh >"$OUT/setup.log" 2>&1 || { tail -30 "$OUT/setup.log"; exit 4; }
@@ -35,8 +37,10 @@ for step in ${STEPS:-model speed}; do
       timeout "$(left)" python3 -m pytest -q -p no:cacheprovider tests/kernels tests/test_kv_tables.py \
         >"$OUT/kernels.log" 2>&1; r=$?; tail -3 "$OUT/kernels.log" ;;
     app)
+      python3 bench/serve_deps.py 2>&1 | tail -1
       timeout "$(left)" python3 -m pytest -q -p no:cacheprovider tests/app/test_on_gpu.py >"$OUT/app.log" 2>&1
-      r=$?; tail -15 "$OUT/app.log" ;;
+      r=$?; tail -15 "$OUT/app.log"
+      mkdir -p "$OUT/app-logs"; cp .cache/test-home/cache/logs/*.log "$OUT/app-logs/" 2>/dev/null ;;
     *) echo "unknown step $step: model, speed, values, kernels or app"; exit 2 ;;
   esac
   echo "== $step rc=$r $((SECONDS - t)) s"

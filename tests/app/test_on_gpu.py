@@ -1,7 +1,7 @@
 """glyd-chat and `glyd serve` on an NVIDIA GPU with vLLM's CUDA build (skipped elsewhere: CI has no GPU).
 
 Run on the GPU machine (bench/device_setup.sh stages the project and the demo model):
-    TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/app/test_on_gpu.py
+    python3 -m pytest -q -p no:cacheprovider tests/app/test_on_gpu.py
 The app's engine runs the lossless KV cache on the GPU (Glyd's CUDA kernels inside vLLM, its defaults: compiled,
 CUDA graphs); Pilot asks a question, reads the reply and the numbers on screen, switches the KV mode to vLLM's own
 cache and quits, and the engine process is gone. The server answers a real `openai` client, streamed.
@@ -66,7 +66,7 @@ def test_glyd_serve_lossless_answers_a_streamed_chat(demo_model_dir: Path, tmp_p
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
     log = tmp_path / "serve.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "GLYD_KV"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "GLYD_KV", "TRITON_INTERPRET"))}
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "glyd_engine.cli", "serve", "--kv", "lossless", "demo",
                                  "--port", str(port), "--gpu-memory-utilization", "0.3"],

@@ -1,4 +1,5 @@
-"""The Glyd matmul kernels (kernels/resident_linear.py) under TRITON_INTERPRET=1 against torch.
+"""The Glyd matmul kernels (kernels/resident_linear.py) against torch: compiled on a GPU, under TRITON_INTERPRET=1
+without one (CI).
 
 Decoded weights equal the resident code's torch decode bit for bit (all 65,536 patterns); the fused
 matmul is within bf16 tolerance of an fp32 reference, output poisoned first, escapes (outliers, zeros,
@@ -12,7 +13,9 @@ import os
 import pytest
 import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+if DEV == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from glyd_engine.format import resident  # noqa: E402
 from glyd_kernels import resident_linear as rl  # noqa: E402
@@ -25,11 +28,11 @@ def _weight(n: int, k: int, seed: int, p_outlier: float = 0.01) -> torch.Tensor:
     out = torch.rand(n, k, generator=g) < p_outlier
     w = torch.where(out, torch.randn(n, k, generator=g) * 30.0, w)
     w[torch.rand(n, k, generator=g) < p_outlier] = 0.0
-    return w.to(torch.bfloat16)
+    return w.to(torch.bfloat16).to(DEV)
 
 
 def test_decode_kernel_is_bit_exact_on_every_pattern():
-    x = all_patterns().reshape(256, 256)
+    x = all_patterns().reshape(256, 256).to(DEV)
     got = rl.resident_decode(resident.from_bf16(x))
     assert torch.equal(got.view(torch.int16), x.view(torch.int16))
 
@@ -41,8 +44,8 @@ def test_fused_matmul_matches_fp32_reference(m, n, k, block_n, block_kh, p_outli
     w = _weight(n, k, seed=m * 1000 + n, p_outlier=p_outlier)
     r = resident.from_bf16(w)
     assert r.esc_pos.numel() > 0
-    x = (torch.randn(m, k, generator=torch.Generator().manual_seed(k)) * 0.5).to(torch.bfloat16)
-    bias = torch.randn(n).to(torch.bfloat16)
+    x = (torch.randn(m, k, generator=torch.Generator().manual_seed(k)) * 0.5).to(torch.bfloat16).to(DEV)
+    bias = torch.randn(n).to(torch.bfloat16).to(DEV)
     ref = x.float() @ w.float().T + bias.float()
     got = rl.resident_linear(x, r, rl.escape_plan(r), bias, block_n=block_n, block_kh=block_kh, gemv=False)
     assert got.dtype == torch.bfloat16 and got.shape == (m, n)
@@ -63,7 +66,7 @@ def test_output_is_written_everywhere_and_an_infinity_stays_in_its_column(monkey
     w = _weight(n, k, seed=7, p_outlier=0.0)
     w[5, 9] = float("inf")
     r = resident.from_bf16(w)
-    x = torch.ones(m, k, dtype=torch.bfloat16)
+    x = torch.ones(m, k, dtype=torch.bfloat16, device=DEV)
     real_empty = torch.empty
 
     def poisoned(*args, **kwargs):  # NaN-filled outputs: any element the kernel skips shows up
@@ -81,18 +84,18 @@ def test_output_is_written_everywhere_and_an_infinity_stays_in_its_column(monkey
 def test_padding_lanes_stay_finite_when_the_window_tops_at_inf():
     """Huge weights (2**120) put the window's top at exponent 255 (inf/NaN): lanes past the end of the row must
     not decode to inf, or 0 * inf would poison the row."""
-    w = torch.full((8, 20), 2.0**120, dtype=torch.bfloat16)
+    w = torch.full((8, 20), 2.0**120, dtype=torch.bfloat16, device=DEV)
     r = resident.from_bf16(w)
     assert r.base == 255 and r.esc_pos.numel() == 0
-    x = torch.full((1, 20), 2.0**-120, dtype=torch.bfloat16)
+    x = torch.full((1, 20), 2.0**-120, dtype=torch.bfloat16, device=DEV)
     for gemv in (False, True):  # block_kh 8: the second tile of the 10 pairs is mostly padding
         y = rl.resident_linear(x, r, rl.escape_plan(r), block_n=16, block_kh=8, gemv=gemv, fold=gemv)
-        assert torch.equal(y, torch.full((1, 8), 20.0, dtype=torch.bfloat16)), y
+        assert torch.equal(y, torch.full((1, 8), 20.0, dtype=torch.bfloat16, device=DEV)), y
 
 
 def test_refuses_what_it_cannot_do():
     r = resident.from_bf16(_weight(8, 16, seed=1))
     with pytest.raises(ValueError, match="rows"):
-        rl.resident_linear(torch.zeros(65, 16, dtype=torch.bfloat16), r, rl.escape_plan(r))
+        rl.resident_linear(torch.zeros(65, 16, dtype=torch.bfloat16, device=DEV), r, rl.escape_plan(r))
     with pytest.raises(ValueError, match="even width"):
         rl.resident_decode(resident.from_bf16(_weight(8, 15, seed=1)))

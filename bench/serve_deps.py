@@ -1,0 +1,40 @@
+"""Which modules vLLM's OpenAI server imports that this Python lacks, all in one go (the GPU machine's slim vLLM
+leaves some out; each is then carried as a wheel: bench/device_setup.sh). Exit status 1 when any is missing.
+Use: python3 bench/serve_deps.py"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from unittest import mock
+
+
+class _Stand(types.ModuleType):
+    """A missing module's stand-in, so the import goes on to the next missing one."""
+
+    def __getattr__(self, name: str) -> object:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return mock.MagicMock(name=f"{self.__name__}.{name}")
+
+
+def main() -> int:
+    missing: list[str] = []
+    for _ in range(40):
+        try:
+            importlib.import_module("vllm.entrypoints.openai.api_server")
+            break
+        except ModuleNotFoundError as e:
+            if not e.name or e.name in missing:
+                raise
+            missing.append(e.name)
+            sys.modules[e.name] = _Stand(e.name)
+            for name in [m for m in sys.modules if m.startswith("vllm.entrypoints")]:
+                del sys.modules[name]
+    print("missing:", " ".join(missing) if missing else "none")
+    return 1 if missing else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
