@@ -20,7 +20,7 @@ from tests.vllm.conftest import CHUNK, GREEDY, LONG, MAX_LEN, PREFIX, engine
 pytestmark = pytest.mark.slow
 
 # More than a 5-block cache holds at once: preemption, chunked prefill (64-token steps), prefix hits.
-STRESS = {"n": 10, "prefix": 150, "tail": 100, "extra": [560, 400], "max_tokens": 16}  # 250 + 16 crosses a block
+STRESS = {"n": 6, "prefix": 150, "tail": 100, "extra": [560, 300], "max_tokens": 16}  # 250 + 16 crosses a block
 SMALL = {"kv_bytes": 12 * 1024 * 1024, "max_model_len": 640, "max_num_batched_tokens": 64}
 
 
