@@ -13,9 +13,11 @@ import os
 import pytest
 import torch
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-if DEV == "cpu":
+# tests/conftest.py decides the interpreter (on where there is no GPU); the tensors follow it, as the interpreter runs
+# on host memory and compiled kernels on the GPU's
+if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+DEV = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 
 from glyd_engine.format import resident  # noqa: E402
 from glyd_kernels import resident_linear as rl  # noqa: E402
