@@ -5,6 +5,7 @@
 # is what is left of it. Restarts cleanly on a warm machine (the model and its KV tables are kept in /tmp). Carry
 # .vllm-device/make_model.py (the staging tool puts it there) in the call that runs the step `model`.
 #   STEPS="model speed"   ONLY=off,lossless   PROFILE=8192x32,8192xmax   (both engines side by side: about 530 s)
+#   STEPS="model speed"   ONLY=off,lossless   CELLS=8192x32,8192xmax   (only those cells of the grid)
 #   STEPS="model speed"   ONLY=off-triton   REF=<this GPU's engine_speed.json>   (one engine against a reference row)
 #   STEPS="model values"  (the demo plan's check engines: every value read back, preemption)
 #   STEPS="kernels app"   (tests/kernels, the GPU table build, glyd-chat and glyd serve on the GPU; the staging's EXTRA
@@ -28,6 +29,7 @@ for step in ${STEPS:-model speed}; do
       args=(--model "$MODEL" --plan speed --only "${ONLY:-lossless}" --out "$OUT" --deadline-s "$(left)")
       [ -n "$REF" ] && args+=(--reference "$REF")
       [ -n "$PROFILE" ] && args+=(--profile "$PROFILE")
+      [ -n "$CELLS" ] && args+=(--cells "$CELLS")
       python3 bench/engine_gpu.py "${args[@]}" 2>&1 | tail -40; r=${PIPESTATUS[0]} ;;
     values)
       mkdir -p "$OUT/values"

@@ -159,14 +159,15 @@ def verdict(spec: dict[str, Any], row: dict[str, Any] | None) -> list[str]:
     return bad
 
 
-def with_profile(specs: list[dict[str, Any]], cells: str) -> list[dict[str, Any]]:
-    """The specs with sweeps profiling `cells` ("8192x32,8192xmax"), each a context x a batch or the largest."""
+def with_cells(specs: list[dict[str, Any]], cells: str, key: str) -> list[dict[str, Any]]:
+    """The specs with their sweeps' `key` ("profile": cells to profile, "cells": the only cells to run) set to `cells`
+    ("8192x32,8192xmax"), each a context x a batch or the largest."""
     try:
         parsed = [[int(c), b if b == "max" else int(b)] for c, _, b in (x.partition("x") for x in cells.split(","))]
     except ValueError:
-        raise SystemExit(f"--profile {cells!r}: cells are CONTEXTxBATCH, the batch a number or max, e.g. "
+        raise SystemExit(f"--{key} {cells!r}: cells are CONTEXTxBATCH, the batch a number or max, e.g. "
                          "8192x32,8192xmax") from None
-    return [{**s, "work": {**s["work"], "sweep": {**s["work"]["sweep"], "profile": parsed}}}
+    return [{**s, "work": {**s["work"], "sweep": {**s["work"]["sweep"], key: parsed}}}
             if "sweep" in s.get("work", {}) else s for s in specs]
 
 
@@ -186,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", default="",
                     help="sweep cells (plan speed) whose decode runs once more under torch's profiler, e.g. "
                          "8192x32,8192xmax: the largest kernels of each engine side by side")
+    ap.add_argument("--cells", default="",
+                    help="the only sweep cells to run (plan speed), in --profile's form: one question of the grid in "
+                         "a fraction of a GPU call")
     ap.add_argument("--deadline-s", type=float, default=0,
                     help="end the run by this many seconds: each engine's timeout is clipped to what is left (a GPU "
                          "call's limit), and one with less than a minute left is not started")
@@ -203,7 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.eager:
         specs = [{**s, "eager": True} for s in specs]
     if a.profile:
-        specs = with_profile(specs, a.profile)
+        specs = with_cells(specs, a.profile, "profile")
+    if a.cells:
+        specs = with_cells(specs, a.cells, "cells")
     t0 = time.monotonic()
     results: dict[str, Any] = {}
     failures: list[str] = []

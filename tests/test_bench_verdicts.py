@@ -243,13 +243,21 @@ def test_the_sweep_profiles_the_cells_asked_and_marks_what_does_not_fit() -> Non
 def test_engine_gpu_profile_cells_reach_the_sweeps_and_bad_ones_are_refused() -> None:
     eg = _engine_gpu()
     specs = eg.plans("/m", 2, 64)["speed"]
-    got = eg.with_profile(specs, "8192x32,8192xmax")
+    got = eg.with_cells(specs, "8192x32,8192xmax", "profile")
     assert all(s["work"]["sweep"]["profile"] == [[8192, 32], [8192, "max"]] for s in got)
     assert "profile" not in specs[0]["work"]["sweep"]  # the plan itself is left as it was
     demo = eg.plans("/m", 2, 64, "/p")["demo"]
-    assert eg.with_profile(demo, "1024x1") == demo  # no sweep, nothing to profile
-    with pytest.raises(SystemExit, match="CONTEXTxBATCH"):
-        eg.with_profile(specs, "8192-32")
+    assert eg.with_cells(demo, "1024x1", "cells") == demo  # no sweep, nothing to restrict
+    with pytest.raises(SystemExit, match="--cells .*CONTEXTxBATCH"):
+        eg.with_cells(specs, "8192-32", "cells")
+
+
+def test_the_sweep_runs_only_the_cells_asked() -> None:
+    pytest.importorskip("vllm")
+    sweep = {"contexts": [64, 512], "batches": [1, 4], "max_tokens": 8, "largest": [64], "cells": [[64, "max"],
+                                                                                                  [512, 1]]}
+    rows = kv.decode_sweep(_Engine(), _Tok(), sweep, kv_tokens=1200)
+    assert [(r["context"], r["batch"], r["largest"]) for r in rows] == [(64, 13, True), (512, 1, False)]
 
 
 def test_the_stress_cache_is_short_of_its_requests_on_any_model(tmp_path: Path) -> None:

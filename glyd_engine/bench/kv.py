@@ -110,13 +110,17 @@ def decode_sweep(llm: Any, tok: Any, sweep: dict[str, Any], kv_tokens: int) -> l
     GPU differ by up to 1.5x, though the kernels' time in them does not). A cell whose batch x (context + new
     tokens) exceeds the cache is "does not fit"; contexts named in `largest` also run the largest batch the cache
     holds. Cells named in `profile` ([context, batch or "max"]) run their decode once more under torch's profiler,
-    after the timed runs (`profile` in the row: glyd_engine/bench/kernel_times.py)."""
+    after the timed runs (`profile` in the row: glyd_engine/bench/kernel_times.py); where `cells` names some (same
+    form), only those run: one question of the grid answered in a fraction of a GPU call."""
     new = int(sweep.get("max_tokens", 64))
     repeats = max(1, int(sweep.get("repeats", 3)))
     profiled = {(int(c), str(b)) for c, b in sweep.get("profile", [])}
+    only = {(int(c), str(b)) for c, b in sweep.get("cells", [])}
     rows = []
     for ctx in sweep["contexts"]:
         for batch in sweep["batches"] + (["max"] if ctx in sweep.get("largest", []) else []):
+            if only and (ctx, str(batch)) not in only:
+                continue
             b = max(1, kv_tokens // (ctx + new + 16)) if batch == "max" else int(batch)
             row: dict[str, Any] = {"context": ctx, "batch": b, "largest": batch == "max"}
             if b * (ctx + new + 16) > kv_tokens:
