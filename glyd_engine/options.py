@@ -71,6 +71,32 @@ class Choice:
         return "{" + ",".join(self.values) + "}"
 
 
+@dataclass(frozen=True)
+class Megabytes(Choice):
+    """A size in MB (a number > 0, e.g. 512 or 0.5), or one of `values` (words, e.g. auto)."""
+
+    def refusal(self, text: str, source: str | None) -> SettingError:
+        said = f"{source}={text!r}" if source else repr(text)
+        return SettingError(f"{said} is not a {self.what}",
+                            f"use a number of MB greater than 0 (e.g. 512) or {', '.join(self.values)}")
+
+    def parse(self, value: object, source: str | None) -> str:
+        text = str(value).strip().lower()
+        if text in self.values:
+            return text
+        try:
+            mb = float(text)
+        except ValueError:
+            raise self.refusal(text, source) from None
+        if not 0 < mb < float("inf"):
+            raise self.refusal(text, source)
+        return text
+
+    @property
+    def metavar(self) -> str:
+        return "{MB," + ",".join(self.values) + "}"
+
+
 ON = ("on", "true", "yes", "1")
 OFF = ("off", "false", "no", "0")
 
@@ -91,7 +117,12 @@ WEIGHTS = Choice("weights", "GLYD_WEIGHTS", ("auto", "lossless", "exact"), "Glyd
 # docs/format.md section 4.1). auto: fragment on CUDA where the weight's shape allows it and the CUDA matmul builds.
 WEIGHT_LAYOUT = Choice("weight_layout", "GLYD_WEIGHT_LAYOUT", ("auto", "resident", "fragment"), "Glyd weight layout")
 
-PLUGIN: tuple[Choice, ...] = (KERNELS, CODE, CHECK, WEIGHTS, WEIGHT_LAYOUT)  # besides the KV mode (kv_mode.SETTING)
+# The most memory one layer's overflow arena may hold (escapes past their tile's list; kernels/kv_overflow.py). auto:
+# as much as the device has. A request whose values would pass it is refused with an error, never stored in part.
+ARENA_MB = Megabytes("arena_mb", "GLYD_KV_ARENA_MB", ("auto",), "Glyd overflow arena limit (MB a layer)")
+
+# besides the KV mode (kv_mode.SETTING)
+PLUGIN: tuple[Choice, ...] = (KERNELS, CODE, CHECK, WEIGHTS, WEIGHT_LAYOUT, ARENA_MB)
 # Per process, not per engine (a model's tables are built once, before any engine sizes its cache): where the KV table
 # build runs. auto: a CUDA GPU whose free memory holds the bf16 weights, else the CPU (tables/build.py).
 TABLE_BUILD_DEVICE = Choice("build_device", "GLYD_KV_BUILD_DEVICE", ("auto", "cpu", "cuda"),

@@ -7,12 +7,13 @@ compiled per (head size, code bits, query heads a KV head, reserve, tiles a page
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
 import torch
 
-from glyd_engine.format.kv_page import TILE, KVPageLayout, OverflowStore
+from glyd_engine.format.kv_page import TILE, KVPageLayout, OverflowRoomError, OverflowStore
 from glyd_kernels import kv_overflow, nvrtc
 
 SOURCE = "kv_pages.cu"
@@ -249,7 +250,8 @@ def write(cache: torch.Tensor, layout: KVPageLayout, tops: torch.Tensor, overflo
     runs.checked += 1
     if not runs.unchecked_ok(min(t, kv_overflow.HEADROOM_TOKENS)):  # short of the arena's usual headroom
         runs.wait()
-        runs.make_room(t)
+        with contextlib.suppress(OverflowRoomError):  # no room for the worst case: the write's misses say who lacks
+            runs.make_room(t)
     launch_write(cache, layout, tops, overflow, key, value, sl, need)
     rounds = 0
     while True:
@@ -258,7 +260,12 @@ def write(cache: torch.Tensor, layout: KVPageLayout, tops: torch.Tensor, overflo
             return rounds
         rounds += 1
         wanted = need[need > 0].to(torch.int64)
-        runs.make_room(t, extra=int((2 * wanted + 8).sum()))  # each short run moves to a power of two >= its need
+        try:
+            runs.make_room(t, extra=int((2 * wanted + 8).sum()))  # each short run moves to a power of two >= its need
+        except OverflowRoomError as exc:  # the tiles that found no room stay unstored; every other one is whole
+            lost = sl[(need.view(t, -1) > 0).any(1)].clone()
+            need.zero_()
+            raise OverflowRoomError(str(exc), slots=lost) from exc
         launch_write(cache, layout, tops, overflow, key, value, sl, need, only_needy=True)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from glyd_engine.format.kv_page import TILE, KVPageCodec, KVPageLayout, OverflowStore, decode_tiles
+from glyd_engine.format.kv_page import TILE, KVPageCodec, KVPageLayout, OverflowStore, decode_tiles, write_by_block
 
 
 class KVLayer:
@@ -35,14 +35,19 @@ class KVLayer:
         self.codec = KVPageCodec(layout, tops.cpu()) if impl == "torch" else None
         self.growth_rounds = 0  # writes run again for tiles that found no room in the overflow arena
 
-    def write(self, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
-        """Append the step's K/V [T, H, D] at `slots` (-1: padding); a tile's tokens consecutive and in order."""
+    def write(self, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Append the step's K/V [T, H, D] at `slots` (-1: padding); a tile's tokens consecutive and in order.
+        Returns the slots not stored for want of overflow room (empty almost always; `write_by_block`)."""
         if self.codec is not None:
-            self.codec.write(self.pages, self.overflow, key, value, slots)
-            return
+            codec = self.codec
+            return write_by_block(lambda k, v, s: codec.write(self.pages, self.overflow, k, v, s), key, value, slots,
+                                  self.layout.block_size, lambda: codec.escapes(key, value))
         from glyd_kernels import kv_cuda
 
-        self.growth_rounds += kv_cuda.write(self.pages, self.layout, self.tops, self.overflow, key, value, slots)
+        def cuda_write(k: torch.Tensor, v: torch.Tensor, s: torch.Tensor) -> None:
+            self.growth_rounds += kv_cuda.write(self.pages, self.layout, self.tops, self.overflow, k, v, s)
+
+        return write_by_block(cuda_write, key, value, slots, self.layout.block_size)
 
     def reserve(self, tokens: int) -> None:
         """Room for the next write of `tokens` tokens taken before the step (0: none), so that the write runs no

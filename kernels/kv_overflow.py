@@ -24,7 +24,7 @@ import weakref
 
 import torch
 
-from glyd_engine.format.kv_page import OVERFLOW_MIN_RUN, TILE, OverflowStore
+from glyd_engine.format.kv_page import OVERFLOW_MIN_RUN, TILE, OverflowRoomError, OverflowStore
 
 HEADROOM_TOKENS = 256  # the arena keeps room for two writes of this many tokens in flight (decode steps of 256
 LIVE_HEADROOM = 32  # sequences, one ahead as with async scheduling) beyond this many times its live runs
@@ -290,14 +290,20 @@ class DeviceRuns:
         live = int(OverflowStore.unpack(self.store.ptr)[1].sum())
         target = arena_target(live, tokens, self.store.num_heads, self.head_size) + extra
         before = self.capacity
+        limit = self.store.limit
         try:
+            if limit is not None and target > limit:  # as much headroom as the limit leaves, if the write fits
+                if live + extra > limit:
+                    raise OverflowRoomError(f"a layer's overflow arena would need {2 * (live + extra) / 1e6:.1f} MB "
+                                            f"({live} entries in runs), past its limit of {2 * limit / 1e6:.1f} MB")
+                target = max(limit // OVERFLOW_MIN_RUN * OVERFLOW_MIN_RUN, live + extra)
             if -(-target // OVERFLOW_MIN_RUN) > MAX_UNITS:
                 raise MemoryError(f"the Glyd overflow arena would pass {MAX_UNITS * OVERFLOW_MIN_RUN} entries "
                                   "(nearly every value of this cache an escape)")
             try:
                 top = self.store.compact(target)
             except torch.OutOfMemoryError as exc:
-                raise MemoryError(
+                raise OverflowRoomError(
                     f"Glyd KV cache: a layer's overflow arena must grow to {2 * target / 1e6:.0f} MB ({live} entries "
                     "in runs: values far rarer than the KV tables expect) and the GPU has no room left; the write "
                     "that asked stored nothing without room. Lower gpu_memory_utilization to leave room beside vLLM's "

@@ -137,6 +137,40 @@ def test_all_patterns_as_k_and_v_with_overflow():
     assert same_bits(k, x) and same_bits(v, x)
 
 
+def test_a_limited_arena_stores_the_blocks_that_fit_and_names_the_rest():
+    """Ordinary values (no overflow) and blocks of every bf16 pattern (most of them escapes) in one write, under an
+    arena limit that holds one pattern block's runs: the write stores nothing and says so before touching a page;
+    written block by block, the ordinary blocks and the first pattern block read back bit for bit, and the slots
+    not stored are exactly those of the later pattern blocks. Restarting those blocks gives their runs back."""
+    h, d, b = 2, 64, 16
+    gen = torch.Generator().manual_seed(3)
+    plain = (torch.randn(4 * b, h, d, generator=gen) * 0.1).to(torch.bfloat16)
+    wild = all_patterns()[torch.randperm(65536, generator=gen)][: 3 * b * h * d].reshape(-1, h, d)
+    codec = kv_page.KVPageCodec(kv_page.KVPageLayout(d, b, 12), tops_for(plain, plain))
+    one = codec.new_overflow(8)
+    codec.write(codec.new_cache(8), one, wild[:b], wild[:b], torch.arange(b))
+    assert one._top > 0
+    cache, ovf = codec.new_cache(8), codec.new_overflow(8)
+    ovf.limit = one._top + one._top // 2  # one pattern block's runs, not two
+    slots = torch.arange(7 * b)  # blocks 0-3 ordinary, 4-6 patterns
+    x = torch.cat([plain, wild])
+    before = cache.clone()
+    with pytest.raises(kv_page.OverflowRoomError) as err:
+        codec.write(cache, ovf, x, x, slots)
+    assert err.value.slots is None and torch.equal(cache, before) and ovf._top == 0
+    lost = kv_page.write_by_block(lambda k, v, s: codec.write(cache, ovf, k, v, s), x, x, slots, b)
+    assert torch.equal(lost, torch.arange(5 * b, 7 * b)) and ovf.arena.numel() <= ovf.limit
+    k, v = read_tokens(codec, cache, ovf, torch.arange(5), 5 * b)
+    assert same_bits(k, x[: 5 * b]) and same_bits(v, x[: 5 * b])
+    held = ovf.bytes_held
+    codec.write(cache, ovf, plain[:b], plain[:b], torch.arange(4 * b, 5 * b))  # block 4 rewritten from token 0
+    assert ovf.bytes_held < held
+    assert kv_page.write_by_block(lambda k, v, s: codec.write(cache, ovf, k, v, s), wild[b : 2 * b],
+                                  wild[b : 2 * b], torch.arange(5 * b, 6 * b), b).numel() == 0
+    k, _ = read_tokens(codec, cache, ovf, torch.tensor([5]), b)
+    assert same_bits(k, wild[b : 2 * b])
+
+
 def test_compaction_moves_live_runs_and_loses_nothing():
     """Tiles restarted with one token give back their runs and take smaller ones, leaving holes; compaction packs the
     live runs at the arena's front (what the CUDA writer's host side does when the arena fills) and every value

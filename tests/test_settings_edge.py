@@ -46,10 +46,22 @@ def test_a_bad_additional_config_value_names_its_key_and_the_values() -> None:
     with pytest.raises(SettingError) as err:
         settings.options(_engine({"kv": "fast"}), environ={})
     assert str(err.value) == f"additional_config glyd.kv='fast' is not a Glyd KV mode; {KV_VALUES}"
-    with pytest.raises(SettingError, match=r"glyd\.kvv is not a Glyd setting; use check, code, kernels, kv, weight_"):
+    with pytest.raises(SettingError, match=r"glyd\.kvv is not a Glyd setting; use arena_mb, check, code, kernels, "):
         settings.options(_engine({"kvv": "lossless"}), environ={})
     with pytest.raises(SettingError, match=r"additional_config glyd='lossless' is not a table of Glyd settings"):
         settings.options(_engine("lossless"), environ={})
+
+
+def test_the_arena_limit_takes_megabytes_or_auto() -> None:
+    assert settings.options(_engine({"arena_mb": 64}), environ={}).arena_mb == 64.0
+    assert settings.options(_engine(), environ={"GLYD_KV_ARENA_MB": "0.5"}).arena_mb == 0.5
+    assert settings.options(_engine(), environ={"GLYD_KV_ARENA_MB": "auto"}).arena_mb is None
+    assert settings.arena_limit_entries(_engine({"arena_mb": 2})) == 1_000_000  # int16 entries
+    for bad in ("0", "-3", "lots", "inf", "nan"):
+        with pytest.raises(SettingError) as err:
+            settings.options(_engine(), environ={"GLYD_KV_ARENA_MB": bad})
+        assert str(err.value) == (f"GLYD_KV_ARENA_MB={bad!r} is not a Glyd overflow arena limit (MB a layer); use a "
+                                  "number of MB greater than 0 (e.g. 512) or auto")
 
 
 def test_the_engines_setting_wins_and_the_loser_is_not_read() -> None:

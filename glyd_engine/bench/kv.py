@@ -55,7 +55,7 @@ def _engine(spec: dict[str, Any]) -> Any:
                               gpu_memory_utilization=float(spec.get("gpu_memory_utilization", 0.85)),
                               max_num_batched_tokens=int(spec.get("max_num_batched_tokens") or 0) or None)
     glyd: dict[str, Any] = {"check": True} if spec.get("check") else {}
-    for key in ("kernels", "code", "weights"):
+    for key in ("kernels", "code", "weights", "arena_mb"):
         if spec.get(key):
             glyd[key] = str(spec[key])
     extra: dict[str, Any] = {k: int(spec[k]) for k in ("max_num_seqs", "block_size", "tensor_parallel_size",

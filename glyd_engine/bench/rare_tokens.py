@@ -137,6 +137,10 @@ def run_rare_child(spec: dict[str, Any]) -> dict[str, Any]:
     res["prompts_sha256"] = hashlib.sha256(json.dumps(prompts).encode()).hexdigest()  # the parent checks they agree
     max_tokens = int(spec["rare"]["max_tokens"])
     n_rare = int(spec["rare"]["n"])
+    if spec["rare"].get("phased"):
+        res["phases"] = _phases(llm, prompts, n_rare, max_tokens)
+        res["stats"] = _stats(llm)
+        return res
     t = time.monotonic()
     outs, top2 = _tokens_top2(_generate(llm, prompts, max_tokens, logprobs=2))
     dt = time.monotonic() - t
@@ -150,12 +154,30 @@ def run_rare_child(spec: dict[str, Any]) -> dict[str, Any]:
     })
     res["metrics"] = _counters(llm)
     if spec["mode"] != "off":
-        from glyd_engine.vllm_plugin.state import worker_stats
-
-        stats = llm.collective_rpc(worker_stats)
-        res["stats"] = {k: sum(int(s[k]) for s in stats) for k in stats[0]} if stats else {}
+        res["stats"] = _stats(llm)
     res["total_s"] = round(time.monotonic() - t0, 1)
     return res
+
+
+def _stats(llm: Any) -> dict[str, int]:
+    from glyd_engine.vllm_plugin.state import worker_stats
+
+    stats = llm.collective_rpc(worker_stats)
+    return {k: sum(int(s[k]) for s in stats) for k in stats[0]} if stats else {}
+
+
+def _phases(llm: Any, prompts: list[list[int]], n_rare: int, max_tokens: int) -> list[list[dict[str, Any]]]:
+    """Half the ordinary prompts, then the rare ones, then the other ordinary half and the first rare prompt again:
+    each request's tokens and how it finished (a refusal when the overflow arena is limited: GLYD_KV_ARENA_MB)."""
+    from glyd_engine.bench.kv import _generate
+
+    ordinary = prompts[n_rare:]
+    half = len(ordinary) // 2
+    out = []
+    for batch in (ordinary[:half], prompts[:n_rare], ordinary[half:] + prompts[:1]):
+        out.append([{"tokens": list(o.outputs[0].token_ids), "finish_reason": o.outputs[0].finish_reason,
+                     "stop_reason": o.outputs[0].stop_reason} for o in _generate(llm, batch, max_tokens)])
+    return out
 
 
 def _tokens_top2(outs: list[Any]) -> tuple[list[list[int]], list[list[list]]]:

@@ -21,6 +21,7 @@ nothing already written is re-encoded or moved, and a write at a tile's token 0 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -278,6 +279,16 @@ class KVPageLayout:
 OVERFLOW_MIN_RUN = 8  # entries: the smallest overflow run; runs double as a tile's overflow grows
 
 
+class OverflowRoomError(MemoryError):
+    """A write's escapes found no room: the store's `limit` (or the device's memory) is reached. `slots` are the
+    slots whose values were not stored (None: nothing of the write was); every other slot of the write is stored.
+    The engine refuses the requests owning those slots' blocks (glyd_engine/vllm_plugin/refusals.py)."""
+
+    def __init__(self, message: str, slots: torch.Tensor | None = None) -> None:
+        super().__init__(message)
+        self.slots = slots
+
+
 @dataclass
 class OverflowStore:
     """Escape entries past a tile's list: one run of u16 entries per (tile, head, K/V) in a shared arena.
@@ -288,12 +299,15 @@ class OverflowStore:
     and given back when its tile is rewritten from token 0 (runs belong to the tile, as vLLM's pages do to
     the block id). The arena grows when no free run fits: rare prompts cost memory outside the pages, never
     data. `grows` counts those events, `compactions` the CUDA writer's repacks (in place or into a larger arena).
+    `limit` (entries; None: the device's memory) caps the arena: a write that would pass it stores nothing and
+    raises `OverflowRoomError` (the CPU writer), or leaves its short tiles unstored (the CUDA writer).
     """
 
     num_tiles: int
     num_heads: int
     initial_entries: int = 0
     device: torch.device | str = "cpu"
+    limit: int | None = None
     ptr: torch.Tensor = field(init=False)
     arena: torch.Tensor = field(init=False)
     free: dict[int, list[int]] = field(init=False)
@@ -370,6 +384,37 @@ class OverflowStore:
             self.ptr[t, h, kv] = (new // OVERFLOW_MIN_RUN) << 4 | (size // OVERFLOW_MIN_RUN).bit_length() - 1
         return self.unpack(self.ptr[tiles, heads, kv])[0]
 
+    def growth_for(self, wants: list[tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]]) -> int:
+        """Entries past the top that `reserve_entries` would take for these (tiles, heads, kv, need) requests, free
+        runs of the right size counted first (a moved run's old space is not: an upper bound)."""
+        sizes: list[int] = []
+        for tiles, heads, kv, need in wants:
+            key = tiles.to(torch.int64) * self.num_heads + heads.to(torch.int64)
+            pages, inverse = torch.unique(key, return_inverse=True)
+            most = torch.zeros(pages.numel(), dtype=torch.int64, device=need.device)
+            most.scatter_reduce_(0, inverse, need.to(torch.int64), "amax", include_self=False)
+            cap = self.unpack(self.ptr[pages // self.num_heads, pages % self.num_heads, kv])[1]
+            short = most[cap < most]
+            sizes += [max(OVERFLOW_MIN_RUN, 1 << (int(n) - 1).bit_length()) for n in short.tolist()]
+        free = {size: len(runs) for size, runs in self.free.items()}
+        grow = 0
+        for size in sizes:
+            if free.get(size, 0):
+                free[size] -= 1
+            else:
+                grow += size
+        return grow
+
+    def has_room(self, entries: int) -> bool:
+        """Whether `entries` more past the top stay within the limit."""
+        return self.limit is None or self._top + entries <= self.limit
+
+    def check_room(self, entries: int) -> None:
+        """Raise `OverflowRoomError` if `entries` more past the top would pass the limit."""
+        if not self.has_room(entries):
+            raise OverflowRoomError(f"the Glyd overflow arena would need {2 * (self._top + entries) / 1e6:.1f} MB, "
+                                    f"past its limit of {2 * self.limit / 1e6:.1f} MB")
+
     def compact(self, capacity: int) -> int:
         """Move the live runs to the front of an arena of at least `capacity` entries, in pointer order, and
         rewrite their pointers; returns the entries they take (the new top). Space of moved or given-back runs
@@ -382,6 +427,9 @@ class OverflowStore:
         top = int(caps.sum())
         size = -(-max(capacity, top) // OVERFLOW_MIN_RUN) * OVERFLOW_MIN_RUN
         grow = size > self.arena.numel()
+        if grow and self.limit is not None and size > self.limit:
+            raise OverflowRoomError(f"the Glyd overflow arena would need {2 * size / 1e6:.1f} MB, past its limit of "
+                                    f"{2 * self.limit / 1e6:.1f} MB")
         arena = torch.zeros(size, dtype=torch.int16, device=self.arena.device) if grow else self.arena
         if top:
             run = torch.repeat_interleave(torch.arange(caps.numel(), device=caps.device), caps)
@@ -399,11 +447,44 @@ class OverflowStore:
         if runs:
             return runs.pop()
         if self._top + size > self.arena.numel():
+            self.check_room(size)  # `growth_for` checked the write: only a bug gets here past the limit
             grow = max(self._top + size - self.arena.numel(), self.arena.numel(), 2048)
+            if self.limit is not None:
+                grow = max(self._top + size - self.arena.numel(), min(grow, self.limit - self.arena.numel()))
             self.arena = torch.cat([self.arena, torch.zeros(grow, dtype=torch.int16, device=self.arena.device)])
             self.grows += 1
         self._top += size
         return self._top - size
+
+
+def write_by_block(write: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None], key: torch.Tensor,
+                   value: torch.Tensor, slots: torch.Tensor, block_size: int,
+                   escapes: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
+    """`write(key, value, slots)`; where its escapes find no overflow room (`OverflowRoomError`), each block of it
+    alone, those with the fewest escapes a token first (`escapes()`: [T], asked only then), so that ordinary text is
+    stored before the rare text that filled the arena. Returns the slots not stored (empty: all were): their blocks'
+    requests are refused, and every other value of the write is exact."""
+    try:
+        write(key, value, slots)
+        return slots[:0]
+    except OverflowRoomError as exc:
+        if exc.slots is not None:  # the writer stored the rest itself
+            return exc.slots
+    slots = slots.to(torch.int64)
+    keep = slots >= 0
+    blocks, inverse = torch.unique(slots[keep] // block_size, return_inverse=True)
+    if escapes is not None:
+        rate = torch.zeros(blocks.numel(), dtype=torch.float64).index_add_(0, inverse, escapes()[keep].double())
+        rate /= torch.bincount(inverse, minlength=blocks.numel()).double()
+        blocks = blocks[torch.argsort(rate, stable=True)]
+    lost = []
+    for b in blocks.tolist():
+        sel = keep & (slots // block_size == b)
+        try:
+            write(key[sel], value[sel], slots[sel])
+        except OverflowRoomError as exc:
+            lost.append(slots[sel] if exc.slots is None else exc.slots)
+    return torch.cat(lost) if lost else slots[:0]
 
 
 @dataclass
@@ -446,6 +527,15 @@ class KVPageCodec:
         return OverflowStore(num_blocks * self.layout.tiles, self.num_heads)
 
     # -- write -----------------------------------------------------------------------------------------------
+    def escapes(self, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """Values a token [T] (K and V) outside their channel's window: what a write must list or overflow."""
+        w = window(self.layout.code_bits)
+        n = torch.zeros(key.shape[0], dtype=torch.int64)
+        for kv, x in ((0, key), (1, value)):
+            c = bf16.split(x)[0].to(torch.int64) - (self.tops[kv].to(torch.int64).unsqueeze(0) - (w - 1))
+            n += ((c < 0) | (c >= w)).flatten(1).sum(1).cpu()
+        return n
+
     def write(self, cache: torch.Tensor, overflow: OverflowStore, key: torch.Tensor, value: torch.Tensor,
               slots: torch.Tensor) -> None:
         """Append tokens: key/value [T, H, D] bf16 at `slots` (block * B + offset; -1 is padding)."""
@@ -571,6 +661,11 @@ class KVPageCodec:
             # overflow index within kind = entry index - entries of that kind in the page
             n_in_kind_final = in_kind + torch.where(is_v.bool(), cum_in_v, cum_in_k)
             oidx = idx_kind - n_in_kind_final
+            if overflow.limit is not None:  # checked before anything of the write is stored
+                wants = [(utile[u[out & (kv == k)]], h[out & (kv == k)], k, oidx[out & (kv == k)] + 1) for k in (0, 1)]
+                if not overflow.has_room(overflow.growth_for(wants)):
+                    overflow.compact(overflow.arena.numel())  # given-back runs' space to the top, then look again
+                    overflow.check_room(overflow.growth_for(wants))
             for k in (0, 1):
                 sel = out & (kv == k)
                 if bool(sel.any()):

@@ -25,6 +25,7 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
+from glyd_engine.format.kv_page import write_by_block
 from glyd_engine.vllm_plugin import settings, state
 from glyd_engine.vllm_plugin.backend_base import GlydBackendBase
 from glyd_engine.vllm_plugin.page_facts import TorchPageFacts
@@ -49,6 +50,7 @@ class GlydAttentionImpl(CPUAttentionBackendImpl):
         self.check = settings.check_enabled(cfg)
         self.tables = state.rank_tables(cfg.model_config.model)  # this worker's layers and KV heads
         self.code_bits = settings.code_bits(cfg)
+        self.arena_limit = settings.arena_limit_entries(cfg)
 
     # -- state ----------------------------------------------------------------------------------
     def _state(self, layer: Any, kv_cache: torch.Tensor) -> state.LayerState:
@@ -64,7 +66,9 @@ class GlydAttentionImpl(CPUAttentionBackendImpl):
         shadow = None
         if self.check:
             shadow = torch.zeros(nb, self.num_kv_heads, 2, block_size, self.head_size, dtype=torch.bfloat16)
-        st = state.LayerState(codec, pages, codec.new_overflow(nb), kv_cache.data_ptr(), shadow)
+        overflow = codec.new_overflow(nb)
+        overflow.limit = self.arena_limit
+        st = state.LayerState(codec, pages, overflow, kv_cache.data_ptr(), shadow)
         state.LAYERS[name] = st
         return st
 
@@ -76,7 +80,9 @@ class GlydAttentionImpl(CPUAttentionBackendImpl):
         st = self._state(layer, kv_cache)
         n = slot_mapping.shape[0]
         key, value = key[:n], value[:n]
-        st.codec.write(st.pages, st.overflow, key, value, slot_mapping)
+        lost = write_by_block(lambda k, v, s: st.codec.write(st.pages, st.overflow, k, v, s), key, value,
+                              slot_mapping, st.codec.layout.block_size, lambda: st.codec.escapes(key, value))
+        state.after_write(st, slot_mapping, lost)
         if st.shadow is not None:
             state.write_shadow(st, key, value, slot_mapping)
 

@@ -222,6 +222,7 @@ class GlydGPUAttentionImpl(AttentionImpl):
         self.impl = "torch" if settings.kernels(cfg) == "reference" else "cuda"
         self.tables = state.rank_tables(cfg.model_config.model)  # this worker's layers and KV heads
         self.code_bits = settings.code_bits(cfg)
+        self.arena_limit = settings.arena_limit_entries(cfg)
         self._fa_impl: Any = None
         self._arena: torch.Tensor | None = None
         if self.impl == "cuda":
@@ -257,6 +258,8 @@ class GlydGPUAttentionImpl(AttentionImpl):
         state.log_arena_reserve()
         self._arena = None
         kv = KVLayer(codec.layout, codec.tops, pages, impl=self.impl, arena=arena if self.impl == "cuda" else None)
+        if self.arena_limit is not None:  # never below the first arena, which vLLM's budget already counts
+            kv.overflow.limit = max(self.arena_limit, kv.overflow.arena.numel())
         codec = kv.codec or codec  # the reference path's codec is the one that writes (and counts)
         shadow = None
         if self.check:
@@ -273,7 +276,7 @@ class GlydGPUAttentionImpl(AttentionImpl):
         key, value = key[:n], value[:n]
         kv = st.extra["kernels"]
         counted = kv.reserved  # a reserved write's values were counted by the builder
-        kv.write(key, value, slot_mapping)
+        state.after_write(st, slot_mapping, kv.write(key, value, slot_mapping))
         if kv.codec is None and not counted:  # the CUDA writer counts nothing on the host
             st.codec.stats.values += 2 * key.numel()
         if st.shadow is not None:

@@ -81,6 +81,13 @@ def _wrap_config_check(platform_cls: type) -> None:
         weights.check(vllm_config)  # --quantization glyd on a model that is not a Glyd checkpoint, etc.
         decision = settings.decide(vllm_config)  # raises for lossless/exact where it cannot hold
         settings.log_decision(decision)
+        if decision.active:
+            from glyd_engine.vllm_plugin import scheduler
+
+            why = scheduler.install(vllm_config)
+            if why is not None:
+                settings.log.info("Glyd KV cache: a request whose values find no overflow room stops the engine "
+                                  "with an error instead of being refused alone: %s", why)
 
     setattr(check_and_update_config, _MARK, True)
     setattr(check_and_update_config, ORIGINAL, raw)

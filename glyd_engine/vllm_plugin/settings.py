@@ -46,6 +46,7 @@ class Options:
     check: bool = False
     weights: Literal["auto", "lossless", "exact"] = "auto"
     weight_layout: Literal["auto", "resident", "fragment"] = "auto"
+    arena_mb: float | None = None  # a layer's overflow arena limit (None: the device's memory)
 
 
 SETTINGS: tuple[opt.Choice, ...] = (kv_mode.SETTING, *opt.PLUGIN)
@@ -63,7 +64,8 @@ def options(vllm_config: Any = None, environ: dict[str, str] | None = None) -> O
     v = {s.key: s.read(section, environ) for s in SETTINGS}
     return Options(kv=cast(KVMode, v["kv"]), kernels=cast(Any, v["kernels"]), code=cast(Any, v["code"]),
                    check=opt.is_on(v["check"]), weights=cast(Any, v["weights"]),
-                   weight_layout=cast(Any, v["weight_layout"]))
+                   weight_layout=cast(Any, v["weight_layout"]),
+                   arena_mb=None if v["arena_mb"] == "auto" else float(v["arena_mb"]))
 
 
 @dataclass(frozen=True)
@@ -106,6 +108,12 @@ def weights_mode(vllm_config: Any = None) -> str:
 
 def check_enabled(vllm_config: Any = None) -> bool:
     return options(vllm_config).check
+
+
+def arena_limit_entries(vllm_config: Any = None) -> int | None:
+    """A layer's overflow arena limit in int16 entries (None: no limit but the device's memory)."""
+    mb = options(vllm_config).arena_mb
+    return None if mb is None else max(1, int(mb * 1_000_000 / 2))
 
 
 def asked_kernels(vllm_config: Any = None) -> str:

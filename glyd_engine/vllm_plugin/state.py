@@ -169,6 +169,33 @@ class LayerState:
 LAYERS: dict[str, LayerState] = {}
 
 
+def after_write(st: LayerState, slots: torch.Tensor, lost: torch.Tensor) -> None:
+    """After a page write: the slots it could not store for want of overflow room go to the scheduler to refuse
+    their requests (refusals.py); blocks it wrote from token 0 hold only stored values again."""
+    from glyd_engine.vllm_plugin import refusals
+
+    b = st.codec.layout.block_size
+    refusals.restarted(slots, b)
+    if lost.numel():
+        limit = st.overflow.limit
+        why = (f"a layer's arena is limited to {2 * limit / 1e6:.1f} MB" if limit is not None else
+               "the device has no memory left for it")
+        refusals.report(lost, b, why)
+
+
+def release_overflow(blocks: set[int], block_size: int) -> None:
+    """The scheduler freed these blocks' requests and evicted them: give their overflow runs back now (each layer's
+    store), not when vLLM next reuses them, so that the arena has room again for the requests that follow."""
+    if not blocks:
+        return
+    with torch.inference_mode():  # the stores' tensors were made in the worker's inference mode
+        for st in LAYERS.values():
+            tiles_a_block = st.codec.layout.tiles
+            b = torch.tensor(sorted(x * block_size // st.codec.layout.block_size for x in blocks), dtype=torch.int64)
+            tiles = (b.view(-1, 1) * tiles_a_block + torch.arange(tiles_a_block)).reshape(-1)
+            st.overflow.release(tiles.to(st.overflow.ptr.device))
+
+
 def write_shadow(st: LayerState, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Check mode: the step's K/V [T, H, D] into the bf16 shadow at their slots (-1: padding)."""
     slots = slot_mapping.to(torch.int64)
@@ -211,6 +238,12 @@ def compare_read(st: LayerState, blocks: torch.Tensor, valid: torch.Tensor, k: t
     want = st.shadow[blocks.to(st.shadow.device)]  # [N, H, 2, B, D]
     got = torch.stack([k, v], dim=2).to(want.device)
     mask = valid.to(want.device).unsqueeze(2).expand_as(got)
+    from glyd_engine.vllm_plugin import refusals
+
+    unstored = refusals.unstored_blocks()
+    if unstored:  # values of refused requests, never served: not a read-back
+        keep = ~torch.isin(blocks.to(want.device), torch.tensor(sorted(unstored), device=want.device))
+        mask = mask & keep.view(-1, 1, 1, 1, 1)
     diff = got.view(torch.int16) != want.view(torch.int16)
     STATS.values_checked += int(mask.sum())
     STATS.values_differing += int((diff & mask).sum())

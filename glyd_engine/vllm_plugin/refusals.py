@@ -1,0 +1,80 @@
+"""Requests refused because their values find no room in the overflow arena, from the writer to the scheduler.
+
+A page write whose escapes find no overflow room stores the rest of the step and hands back the slots it could not
+store (`kv_page.write_by_block`). Their blocks are reported here; the scheduler of the same process
+(`scheduler.py`, installed by the plugin's config check) finishes every request holding one with an error and evicts
+them, and every block after them in those requests, from the prefix cache: no request reads a value that was not
+stored. Where no such scheduler listens (a worker in a process of its own, a scheduler of the user's), the write
+raises instead, naming the way out; the engine stops, and nothing wrong is ever served.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+
+from glyd_engine.format.kv_page import OverflowRoomError
+
+log = logging.getLogger("vllm.glyd")
+
+HINT = ("set a larger GLYD_KV_ARENA_MB (or additional_config glyd.arena_mb), lower gpu_memory_utilization to leave "
+        "the GPU room beside vLLM's budget, or run with GLYD_KV=off")
+
+_lock = threading.Lock()
+_pending: dict[tuple[int, int], str] = {}  # (block, block size) -> why, until the scheduler takes it
+_unstored: set[int] = set()  # blocks holding values not stored, until a write restarts them at token 0
+_listening = [False]
+
+
+def listen() -> None:
+    """Called by the scheduler of this process: reported blocks are refused from now on, not raised."""
+    _listening[0] = True
+
+
+def listening() -> bool:
+    return _listening[0]
+
+
+def report(lost: torch.Tensor, block_size: int, why: str) -> None:
+    """A write left `lost` slots unstored: refuse their blocks' requests (or raise where none can be refused)."""
+    blocks = sorted(set((lost.to(torch.int64) // block_size).tolist()))
+    message = (f"Glyd KV cache: {len(lost)} tokens' values in {len(blocks)} blocks found no room in the overflow "
+               f"arena ({why}): their values are far rarer than the model's KV tables expect")
+    if not listening():
+        raise OverflowRoomError(f"{message}; {HINT}")
+    with _lock:
+        for b in blocks:
+            _pending[(b, block_size)] = why
+        _unstored.update(blocks)
+    log.error("%s. The requests holding them are refused; %s", message, HINT)
+
+
+def take() -> dict[tuple[int, int], str]:
+    """The blocks reported since the last call: (block, block size) -> why."""
+    with _lock:
+        got = dict(_pending)
+        _pending.clear()
+    return got
+
+
+def restarted(slots: torch.Tensor, block_size: int) -> None:
+    """A write stored these slots: blocks it wrote from token 0 hold only stored values again."""
+    if _unstored:
+        s = slots.to(torch.int64)
+        starts = set((s[(s >= 0) & (s % block_size == 0)] // block_size).tolist())
+        with _lock:
+            _unstored.difference_update(starts)
+
+
+def unstored_blocks() -> set[int]:
+    """Blocks whose values were not all stored (check mode leaves them out: their requests were refused)."""
+    with _lock:
+        return set(_unstored)
+
+
+def message(why: str) -> str:
+    """What a refused request's output says (its `stop_reason`; finish reason `error`)."""
+    return (f"Glyd KV cache: this request's keys and values found no room in the overflow arena ({why}); "
+            f"they are far rarer than the model's KV tables expect. To serve it, {HINT}")
