@@ -190,9 +190,11 @@ def release_overflow(blocks: set[int], block_size: int) -> None:
         return
     with torch.inference_mode():  # the stores' tensors were made in the worker's inference mode
         for st in LAYERS.values():
-            tiles_a_block = st.codec.layout.tiles
-            b = torch.tensor(sorted(x * block_size // st.codec.layout.block_size for x in blocks), dtype=torch.int64)
-            tiles = (b.view(-1, 1) * tiles_a_block + torch.arange(tiles_a_block)).reshape(-1)
+            bs = st.codec.layout.block_size  # the pages' block (vLLM's scheduler may count in larger ones)
+            b = torch.tensor(sorted({y for x in blocks for y in range(x * block_size // bs,
+                                                                     ((x + 1) * block_size - 1) // bs + 1)}),
+                             dtype=torch.int64)
+            tiles = (b.view(-1, 1) * st.codec.layout.tiles + torch.arange(st.codec.layout.tiles)).reshape(-1)
             st.overflow.release(tiles.to(st.overflow.ptr.device))
 
 
