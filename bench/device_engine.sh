@@ -8,6 +8,9 @@
 #   STEPS="model speed"   ONLY=off,lossless   CELLS=8192x32,8192xmax   (only those cells of the grid)
 #   STEPS="model speed"   ONLY=off-triton   REF=<this GPU's engine_speed.json>   (one engine against a reference row)
 #   STEPS="model values"  (the demo plan's check engines: every value read back, preemption)
+#   STEPS="demo"   ONLY=lossless,exact   (the demo model, each KV mode against off: capacity, prompt logprobs and
+#                  greedy tokens bit for bit; ONLY=weights-exact,weights-lossless: its Glyd checkpoint in both weights
+#                  modes against the bf16 model; each set about 400 s)
 #   STEPS="kernels app"   (tests/kernels, the GPU table build, glyd-chat and glyd serve on the GPU; the staging's EXTRA
 #                          files carry the server's wheels: bench/serve_deps.py names what is missing)
 # Use: bash bench/device_engine.sh
@@ -35,6 +38,12 @@ for step in ${STEPS:-model speed}; do
       mkdir -p "$OUT/values"
       python3 bench/engine_gpu.py --model "$MODEL" --plan demo --only lossless-check,lossless-stress \
         --out "$OUT/values" --deadline-s "$(left)" 2>&1 | tail -15; r=${PIPESTATUS[0]} ;;
+    demo)  # the demo model (real weights) and its Glyd checkpoint, against off
+      [ -f /tmp/demo-glyd/config.json ] || python3 -m glyd_engine.cli pack "$DEMO" /tmp/demo-glyd --force \
+        >"$OUT/pack.log" 2>&1 || { tail -20 "$OUT/pack.log"; exit 6; }
+      mkdir -p "$OUT/demo"
+      python3 bench/engine_gpu.py --model "$DEMO" --packed /tmp/demo-glyd --plan demo --only "${ONLY:-lossless,exact}" \
+        --out "$OUT/demo" --deadline-s "$(left)" --timeout-s 240 2>&1 | tail -15; r=${PIPESTATUS[0]} ;;
     kernels)
       timeout "$(left)" python3 -m pytest -q -p no:cacheprovider tests/kernels tests/test_kv_tables.py \
         >"$OUT/kernels.log" 2>&1; r=$?; tail -3 "$OUT/kernels.log" ;;
@@ -43,12 +52,12 @@ for step in ${STEPS:-model speed}; do
       timeout "$(left)" python3 -m pytest -q -p no:cacheprovider tests/app/test_on_gpu.py >"$OUT/app.log" 2>&1
       r=$?; tail -15 "$OUT/app.log"
       mkdir -p "$OUT/app-logs"; cp .cache/test-home/cache/logs/*.log "$OUT/app-logs/" 2>/dev/null ;;
-    *) echo "unknown step $step: model, speed, values, kernels or app"; exit 2 ;;
+    *) echo "unknown step $step: model, speed, values, demo, kernels or app"; exit 2 ;;
   esac
   echo "== $step rc=$r $((SECONDS - t)) s"
   [ "$r" = 0 ] || rc=$r
 done
-for f in "$OUT"/*.log; do  # how far each engine got (the sweep prints each cell), and what failed
+for f in "$OUT"/*.log "$OUT"/*/*.log; do  # how far each engine got (the sweep prints each cell), and what failed
   grep -HE "sweep ctx|GPU KV cache size|overflow arenas|Error:" "$f" 2>/dev/null | tail -25
 done
 exit $rc
