@@ -279,6 +279,8 @@ def resident_linear(x: torch.Tensor, r: ResidentWeight, plan: EscapePlan, bias: 
     tuned = gemv_config(n_rows, cols) if gemv else TENSOR_CORE_CONFIG
     block_n, block_kh = block_n or tuned["block_n"], block_kh or tuned["block_kh"]
     splits, num_warps = splits or tuned["splits"], num_warps or tuned["num_warps"]
+    if not gemv and block_kh < 16:
+        raise ValueError(f"block_kh {block_kh}: the tensor-core kernel's dot needs K >= 16 pairs a tile")
     n_blocks = triton.cdiv(n_rows, block_n)
     kh = cols // 2
     splits = max(1, min(splits, triton.cdiv(kh, block_kh)))

@@ -521,33 +521,39 @@ def test_an_arena_that_cannot_grow_leaves_no_misses_behind(monkeypatch: pytest.M
 
 
 def test_a_limited_arena_stores_every_tile_that_fits_and_names_the_slots_that_do_not() -> None:
-    """The CUDA writer under an arena limit: a prefill of ordinary values and of values that mostly miss their
-    windows, in one write. It raises OverflowRoomError naming the slots it could not store, all of them in the wild
-    blocks; every block without one reads back bit for bit, the device's counters hold no misses, and a later
-    ordinary write goes through (`kv_page.write_by_block` takes the slots from the error and stops there)."""
+    """The CUDA writer under an arena limit of 16,384 entries: ordinary values are stored whole; then values that
+    mostly miss their windows, in one write: it raises OverflowRoomError naming the slots it could not store
+    (`kv_page.write_by_block` hands them back), every block without one reads back bit for bit, the device's counters
+    hold no misses. With the refused blocks' runs given back (as the engine's scheduler does), the next ordinary
+    write is stored whole."""
     from glyd_kernels import kv_cuda, kv_overflow
 
-    d, h, block, reserve = 64, 2, 16, 4
+    d, h, block, reserve, limit = 64, 2, 16, 4, 16384
     g = torch.Generator().manual_seed(11)
     lay = kp.KVPageLayout(d, block, reserve, 4)
     plain_k, plain_v = model_like(512, h, d, g)
-    tops = tops_for(plain_k, plain_v, 4)
+    tops = tops_for(plain_k, plain_v, 4).to(DEV)
     wild = (torch.randn(2048, h, d, generator=g) * torch.exp2(torch.randint(-40, 40, (2048, h, d), generator=g)
                                                                 .float())).to(torch.bfloat16)
     nb = (512 + 2048 + 64) // block
     cache = torch.zeros(nb, h, lay.page_bytes, dtype=torch.uint8, device=DEV)
-    ovf = kp.OverflowStore(nb * lay.tiles, h, device=DEV)
-    ovf.adopt(torch.zeros(kv_overflow.fresh_entries(h, d), dtype=torch.int16, device=DEV))
-    ovf.limit = ovf.arena.numel()  # no growth past the first arena
-    k, v = torch.cat([plain_k, wild]), torch.cat([plain_v, wild.flip(0)])
-    slots = torch.arange(512 + 2048)
-    write = lambda k, v, s: kv_cuda.write(cache, lay, tops.to(DEV), ovf, k.to(DEV), v.to(DEV), s.to(DEV))  # noqa: E731
-    lost = kp.write_by_block(write, k, v, slots, block).cpu()
-    assert lost.numel() > 0 and bool((lost >= 512).all()), lost[:8]
-    assert ovf.arena.numel() <= ovf.limit and int(kv_overflow.device_runs(ovf, d).counters[1]) == 0
-    kept = ~torch.isin(slots // block, lost // block)  # the engine refuses whole blocks
-    check_tokens(cache, lay, tops.to(DEV), ovf, slots[kept], k[kept], v[kept])
+    ovf = kp.OverflowStore(nb * lay.tiles, h, device=DEV, limit=limit)
+    ovf.adopt(torch.zeros(limit, dtype=torch.int16, device=DEV))
+    write = lambda k, v, s: kv_cuda.write(cache, lay, tops, ovf, k.to(DEV), v.to(DEV), s.to(DEV))  # noqa: E731
+    first = torch.arange(512)
+    assert kp.write_by_block(write, plain_k, plain_v, first, block).numel() == 0
+    wild_slots = torch.arange(512, 512 + 2048)
+    lost = kp.write_by_block(write, wild, wild.flip(0), wild_slots, block).cpu()
+    assert lost.numel() > 0 and bool(((lost >= 512) & (lost < 512 + 2048)).all()), lost[:8]
+    assert ovf.arena.numel() <= limit and int(kv_overflow.device_runs(ovf, d).counters[1]) == 0
+    kept = ~torch.isin(wild_slots // block, lost // block)  # the engine refuses whole blocks
+    check_tokens(cache, lay, tops, ovf, first, plain_k, plain_v)
+    if bool(kept.any()):
+        check_tokens(cache, lay, tops, ovf, wild_slots[kept], wild[kept], wild.flip(0)[kept])
+    refused = torch.unique(lost // block)
+    ovf.release((refused.view(-1, 1) * lay.tiles + torch.arange(lay.tiles)).reshape(-1).to(DEV))
     more_k, more_v = model_like(64, h, d, g)
     more = torch.arange(512 + 2048, 512 + 2048 + 64)
     assert kp.write_by_block(write, more_k, more_v, more, block).numel() == 0
-    check_tokens(cache, lay, tops.to(DEV), ovf, more, more_k, more_v)
+    check_tokens(cache, lay, tops, ovf, more, more_k, more_v)
+    check_tokens(cache, lay, tops, ovf, first, plain_k, plain_v)

@@ -90,8 +90,10 @@ def test_padding_lanes_stay_finite_when_the_window_tops_at_inf():
     r = resident.from_bf16(w)
     assert r.base == 255 and r.esc_pos.numel() == 0
     x = torch.full((1, 20), 2.0**-120, dtype=torch.bfloat16, device=DEV)
-    for gemv in (False, True):  # block_kh 8: the second tile of the 10 pairs is mostly padding
-        y = rl.resident_linear(x, r, rl.escape_plan(r), block_n=16, block_kh=8, gemv=gemv, fold=gemv)
+    # 10 pairs a row: the tensor-core tile of 16 pairs (tl.dot's least K) has 6 padding lanes; the CUDA-core
+    # kernel's second tile of 8 is mostly padding
+    for gemv, block_kh in ((False, 16), (True, 8)):
+        y = rl.resident_linear(x, r, rl.escape_plan(r), block_n=16, block_kh=block_kh, gemv=gemv, fold=gemv)
         assert torch.equal(y, torch.full((1, 8), 20.0, dtype=torch.bfloat16, device=DEV)), y
 
 
@@ -101,3 +103,5 @@ def test_refuses_what_it_cannot_do():
         rl.resident_linear(torch.zeros(65, 16, dtype=torch.bfloat16, device=DEV), r, rl.escape_plan(r))
     with pytest.raises(ValueError, match="even width"):
         rl.resident_decode(resident.from_bf16(_weight(8, 15, seed=1)))
+    with pytest.raises(ValueError, match="K >= 16"):  # a tile Triton's dot cannot compile on a GPU
+        rl.resident_linear(torch.zeros(4, 16, dtype=torch.bfloat16, device=DEV), r, rl.escape_plan(r), block_kh=8)
