@@ -235,7 +235,9 @@ class DeviceRuns:
     def reserve(self, tokens: int) -> None:
         """Room for the next write of `tokens` tokens, counted now: the write may then run without host code (a
         graph replay) or consume the reservation (`take_reserved`). Waits for the device only when the arena
-        would fill; `tokens` 0 drops a reservation left by a replayed step."""
+        would fill; `tokens` 0 drops a reservation left by a replayed step. Under an arena limit no full graph holds
+        the write (the engine runs piecewise graphs then), so a worst case the limit cannot hold reserves nothing
+        and the write checks for itself, refusing what finds no room."""
         self.reserved = 0
         if not tokens:
             return
@@ -243,9 +245,14 @@ class DeviceRuns:
         if self.worst(self.bound, tokens) > self.capacity:
             self.checked += 1
             self.wait()
-            self.make_room(tokens)
-            if self.worst(self.bound, tokens) > self.capacity:  # longer than the arena's usual headroom
-                self.make_room(tokens, extra=self.worst(self.bound, tokens) - self.bound)
+            try:
+                self.make_room(tokens)
+                if self.worst(self.bound, tokens) > self.capacity:  # longer than the arena's usual headroom
+                    self.make_room(tokens, extra=self.worst(self.bound, tokens) - self.bound)
+            except OverflowRoomError:
+                if self.store.limit is None:
+                    raise
+                return
         self.arena_ref()
         self._count(tokens, launched=False)
         self.reserved = tokens

@@ -138,10 +138,11 @@ def test_all_patterns_as_k_and_v_with_overflow():
 
 
 def test_a_limited_arena_stores_the_blocks_that_fit_and_names_the_rest():
-    """Ordinary values (no overflow) and blocks of every bf16 pattern (most of them escapes) in one write, under an
-    arena limit that holds one pattern block's runs: the write stores nothing and says so before touching a page;
-    written block by block, the ordinary blocks and the first pattern block read back bit for bit, and the slots
-    not stored are exactly those of the later pattern blocks. Restarting those blocks gives their runs back."""
+    """Blocks of every bf16 pattern (most of them escapes) then ordinary values (no overflow), in one write, under an
+    arena limit that holds one pattern block's runs: the write stores and counts nothing and says so before touching
+    a page; written block by block, fewest escapes a token first, the ordinary blocks and one pattern block read back
+    bit for bit, and the slots not stored are exactly those of the two other pattern blocks. Restarting a block gives
+    its runs back."""
     h, d, b = 2, 64, 16
     gen = torch.Generator().manual_seed(3)
     plain = (torch.randn(4 * b, h, d, generator=gen) * 0.1).to(torch.bfloat16)
@@ -150,25 +151,52 @@ def test_a_limited_arena_stores_the_blocks_that_fit_and_names_the_rest():
     one = codec.new_overflow(8)
     codec.write(codec.new_cache(8), one, wild[:b], wild[:b], torch.arange(b))
     assert one._top > 0
+    codec.stats = kv_page.WriteStats()
     cache, ovf = codec.new_cache(8), codec.new_overflow(8)
     ovf.limit = one._top + one._top // 2  # one pattern block's runs, not two
-    slots = torch.arange(7 * b)  # blocks 0-3 ordinary, 4-6 patterns
-    x = torch.cat([plain, wild])
+    slots = torch.arange(7 * b)  # blocks 0-2 patterns, 3-6 ordinary
+    x = torch.cat([wild, plain])
     before = cache.clone()
     with pytest.raises(kv_page.OverflowRoomError) as err:
         codec.write(cache, ovf, x, x, slots)
     assert err.value.slots is None and torch.equal(cache, before) and ovf._top == 0
-    lost = kv_page.write_by_block(lambda k, v, s: codec.write(cache, ovf, k, v, s), x, x, slots, b)
-    assert torch.equal(lost, torch.arange(5 * b, 7 * b)) and ovf.arena.numel() <= ovf.limit
-    k, v = read_tokens(codec, cache, ovf, torch.arange(5), 5 * b)
-    assert same_bits(k, x[: 5 * b]) and same_bits(v, x[: 5 * b])
+    assert codec.stats.values == 0 and codec.stats.escapes == 0
+    lost = kv_page.write_by_block(lambda k, v, s: codec.write(cache, ovf, k, v, s), x, x, slots, b,
+                                  lambda: codec.escapes(x, x))
+    assert lost.numel() == 2 * b and bool((lost < 3 * b).all()) and ovf.arena.numel() <= ovf.limit
+    kept = ~torch.isin(slots // b, lost // b)
+    stored = torch.unique(slots[kept] // b)
+    k, v = read_tokens(codec, cache, ovf, stored, 5 * b)
+    assert same_bits(k, x[kept]) and same_bits(v, x[kept])
+    assert codec.stats.values == 2 * 5 * b * h * d  # the blocks stored, each counted once
     held = ovf.bytes_held
-    codec.write(cache, ovf, plain[:b], plain[:b], torch.arange(4 * b, 5 * b))  # block 4 rewritten from token 0
+    wild_kept = int(stored[0])
+    codec.write(cache, ovf, plain[:b], plain[:b], torch.arange(wild_kept * b, (wild_kept + 1) * b))  # from token 0
     assert ovf.bytes_held < held
-    assert kv_page.write_by_block(lambda k, v, s: codec.write(cache, ovf, k, v, s), wild[b : 2 * b],
-                                  wild[b : 2 * b], torch.arange(5 * b, 6 * b), b).numel() == 0
-    k, _ = read_tokens(codec, cache, ovf, torch.tensor([5]), b)
-    assert same_bits(k, wild[b : 2 * b])
+    again = lost[:b]
+    assert kv_page.write_by_block(lambda k, v, s: codec.write(cache, ovf, k, v, s), x[again], x[again], again,
+                                  b).numel() == 0
+    k, _ = read_tokens(codec, cache, ovf, torch.unique(again // b), b)
+    assert same_bits(k, x[again])
+
+
+def test_block_by_block_writes_go_fewest_escapes_a_token_first():
+    """After a whole write finds no room, its blocks go one by one in order of escapes a token (ties by block), so
+    ordinary text is stored before the rare text that would fill the arena."""
+    order: list[int] = []
+
+    def write(k: torch.Tensor, v: torch.Tensor, s: torch.Tensor) -> None:
+        if s.numel() == 64:
+            raise kv_page.OverflowRoomError("whole write")
+        order.append(int(s[0]) // 16)
+        if int(s[0]) // 16 == 1:
+            raise kv_page.OverflowRoomError("block 1")
+
+    slots = torch.arange(64)
+    escapes = torch.tensor([5] * 16 + [1] * 16 + [9] * 16 + [1] * 8 + [0] * 8)  # rates 5, 1, 9, 0.5
+    x = torch.zeros(64, 1, 64, dtype=torch.bfloat16)
+    lost = kv_page.write_by_block(write, x, x, slots, 16, lambda: escapes)
+    assert order == [3, 1, 0, 2] and torch.equal(lost, torch.arange(16, 32))
 
 
 def test_compaction_moves_live_runs_and_loses_nothing():

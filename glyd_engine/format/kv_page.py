@@ -604,7 +604,12 @@ class KVPageCodec:
             self.stats.escapes += int(t_i.numel())
             ent = o[t_in[t_i], d_i] | ((e[t_i, h_i, d_i] >> cb) << POS_BITS)
             entries_by_kv.append((inverse[t_i], h_i, t_in[t_i], d_i, ent))
-        self._append_entries(work, overflow, utile, n_tot, n_in, entries_by_kv)
+        try:
+            self._append_entries(work, overflow, utile, n_tot, n_in, entries_by_kv)
+        except OverflowRoomError:  # nothing of this write is stored: nor counted
+            self.stats.values -= 2 * key.numel()
+            self.stats.escapes -= sum(int(e[0].numel()) for e in entries_by_kv)
+            raise
         cnt = torch.cat([n_tot, n_in], -1)
         work[:, :, tr : tr + TRAILER] = _u16(cnt).view(torch.uint8).view(U, H, TRAILER)
         tiles[blk_u, :, sub_u] = work

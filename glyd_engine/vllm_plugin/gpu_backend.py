@@ -71,9 +71,11 @@ class GlydGPUMetadataBuilder(AttentionMetadataBuilder[GlydGPUMetadata]):
     @classmethod
     def get_cudagraph_support(cls, vllm_config: Any, kv_cache_spec: Any) -> AttentionCGSupport:
         """Full graphs for decode batches, except where host code must run each step: check mode (reads pages
-        back), exact (decodes the batch's pages) and the reference kernels (the CPU build's tests)."""
+        back), exact (decodes the batch's pages), the reference kernels (the CPU build's tests) and an arena limit
+        (a write that finds no room must report its slots, for their requests to be refused: refusals.py)."""
         if settings.check_enabled(vllm_config) or settings.kernels(vllm_config) == "reference" or \
-                settings.decide(vllm_config).mode == "exact":  # exact: FlashAttention on pages decoded each step
+                settings.decide(vllm_config).mode == "exact" or \
+                settings.arena_limit_entries(vllm_config) is not None:  # exact: FlashAttention on decoded pages
             return AttentionCGSupport.NEVER
         return cls._cudagraph_support
 

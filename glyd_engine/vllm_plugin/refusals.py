@@ -24,21 +24,33 @@ HINT = ("set a larger GLYD_KV_ARENA_MB (or additional_config glyd.arena_mb), low
 
 _lock = threading.Lock()
 _pending: dict[tuple[int, int], str] = {}  # (block, block size) -> why, until the scheduler takes it
-_unstored: set[int] = set()  # blocks holding values not stored, until a write restarts them at token 0
+_unstored: dict[int, set[int]] = {}  # check mode: a layer's (id of its state) blocks holding values not stored
 _listening = [False]
 
 
 def listen() -> None:
     """Called by the scheduler of this process: reported blocks are refused from now on, not raised."""
-    _listening[0] = True
+    with _lock:
+        _listening[0] = True
+        _pending.clear()
+        _unstored.clear()
+
+
+def stop() -> None:
+    """The scheduler shut down: a later engine of this process raises unless its own scheduler listens."""
+    with _lock:
+        _listening[0] = False
+        _pending.clear()
+        _unstored.clear()
 
 
 def listening() -> bool:
     return _listening[0]
 
 
-def report(lost: torch.Tensor, block_size: int, why: str) -> None:
-    """A write left `lost` slots unstored: refuse their blocks' requests (or raise where none can be refused)."""
+def report(lost: torch.Tensor, block_size: int, why: str, layer: int | None = None) -> None:
+    """A write left `lost` slots unstored: refuse their blocks' requests (or raise where none can be refused).
+    `layer` (check mode): the layer whose reads of those blocks the check leaves out."""
     blocks = sorted(set((lost.to(torch.int64) // block_size).tolist()))
     message = (f"Glyd KV cache: {len(lost)} tokens' values in {len(blocks)} blocks found no room in the overflow "
                f"arena ({why}): their values are far rarer than the model's KV tables expect")
@@ -47,7 +59,8 @@ def report(lost: torch.Tensor, block_size: int, why: str) -> None:
     with _lock:
         for b in blocks:
             _pending[(b, block_size)] = why
-        _unstored.update(blocks)
+        if layer is not None:
+            _unstored.setdefault(layer, set()).update(blocks)
     log.error("%s. The requests holding them are refused; %s", message, HINT)
 
 
@@ -59,19 +72,19 @@ def take() -> dict[tuple[int, int], str]:
     return got
 
 
-def restarted(slots: torch.Tensor, block_size: int) -> None:
-    """A write stored these slots: blocks it wrote from token 0 hold only stored values again."""
-    if _unstored:
+def restarted(layer: int, slots: torch.Tensor, block_size: int) -> None:
+    """Check mode: the layer's write stored these slots; blocks it wrote from token 0 hold only stored values."""
+    if _unstored.get(layer):
         s = slots.to(torch.int64)
         starts = set((s[(s >= 0) & (s % block_size == 0)] // block_size).tolist())
         with _lock:
-            _unstored.difference_update(starts)
+            _unstored[layer].difference_update(starts)
 
 
-def unstored_blocks() -> set[int]:
-    """Blocks whose values were not all stored (check mode leaves them out: their requests were refused)."""
+def unstored_blocks(layer: int) -> set[int]:
+    """Check mode: the layer's blocks whose values were not all stored (their requests were refused)."""
     with _lock:
-        return set(_unstored)
+        return set(_unstored.get(layer, ()))
 
 
 def message(why: str) -> str:

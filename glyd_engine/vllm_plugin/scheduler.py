@@ -4,7 +4,8 @@ After each step it takes the blocks the page writer could not store, finishes ev
 with finish reason `error` (its `stop_reason` says why and what to do), and evicts those blocks and every later
 block of those requests from the prefix cache (their values were computed over the unstored ones). The rest of the
 batch goes on untouched. The plugin's config check names `GlydScheduler` as vLLM's scheduler class where the
-worker runs in the scheduler's process (one GPU, or the CPU build) and the user named none of their own.
+worker runs in the scheduler's process (vLLM's "uni" executor: one GPU; the CPU build with the engine core
+in-process) and the user named none of their own.
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ class _Refusing:
         super().__init__(*args, **kwargs)
         refusals.listen()
 
+    def shutdown(self) -> None:
+        refusals.stop()  # a later engine of this process may have no scheduler listening
+        super().shutdown()  # type: ignore[misc]
+
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> dict[int, Any]:
         sched: Any = self
         refused = refusals.take()
@@ -43,7 +48,7 @@ class _Refusing:
         whys: dict[str, str] = {}
         owned: set[int] = set()  # the refused requests' blocks from their first unstored one on
         for request in sched.running:
-            blocks = sched.kv_cache_manager.get_block_ids(request.request_id)[0]
+            blocks = [b for group in sched.kv_cache_manager.get_block_ids(request.request_id) for b in group]
             first = next((i for i, b in enumerate(blocks) if b in bad), None)
             if first is not None:
                 whys[request.request_id] = bad[blocks[first]]
@@ -83,7 +88,9 @@ def install(vllm_config: Any) -> str | None:
     sc = vllm_config.scheduler_config
     if sc.scheduler_cls not in (None, QUALNAME):
         return f"the engine names its own scheduler ({sc.scheduler_cls})"
-    if vllm_config.parallel_config.world_size > 1:
-        return "the workers run in processes of their own"
+    executor = vllm_config.parallel_config.distributed_executor_backend
+    if executor != "uni":  # its worker reports in a process where no scheduler listens
+        return (f"the worker runs in a process of its own (executor {executor!r}: the CPU build's with "
+                "VLLM_ENABLE_V1_MULTIPROCESSING on, or several GPUs)")
     sc.scheduler_cls = QUALNAME
     return None

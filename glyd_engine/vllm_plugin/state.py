@@ -175,12 +175,14 @@ def after_write(st: LayerState, slots: torch.Tensor, lost: torch.Tensor) -> None
     from glyd_engine.vllm_plugin import refusals
 
     b = st.codec.layout.block_size
-    refusals.restarted(slots, b)
+    layer = id(st) if st.shadow is not None else None  # only the read-back check needs to know, per layer
+    if layer is not None:
+        refusals.restarted(layer, slots, b)
     if lost.numel():
         limit = st.overflow.limit
         why = (f"a layer's arena is limited to {2 * limit / 1e6:.1f} MB" if limit is not None else
                "the device has no memory left for it")
-        refusals.report(lost, b, why)
+        refusals.report(lost, b, why, layer)
 
 
 def release_overflow(blocks: set[int], block_size: int) -> None:
@@ -242,7 +244,7 @@ def compare_read(st: LayerState, blocks: torch.Tensor, valid: torch.Tensor, k: t
     mask = valid.to(want.device).unsqueeze(2).expand_as(got)
     from glyd_engine.vllm_plugin import refusals
 
-    unstored = refusals.unstored_blocks()
+    unstored = refusals.unstored_blocks(id(st))
     if unstored:  # values of refused requests, never served: not a read-back
         keep = ~torch.isin(blocks.to(want.device), torch.tensor(sorted(unstored), device=want.device))
         mask = mask & keep.view(-1, 1, 1, 1, 1)

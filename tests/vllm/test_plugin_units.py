@@ -433,3 +433,39 @@ def test_a_ranks_kv_heads_follow_vllms_split() -> None:
     assert [kv_heads_of_rank(2, 4, r) for r in range(4)] == [range(0, 1), range(0, 1), range(1, 2), range(1, 2)]
     with pytest.raises(ValueError, match="3 KV heads cannot be split evenly over 2 ranks"):
         kv_heads_of_rank(3, 2, 0)
+
+
+def test_the_refusing_scheduler_goes_only_where_the_worker_shares_its_process() -> None:
+    pytest.importorskip("vllm")
+    from glyd_engine.vllm_plugin import scheduler
+
+    def cfg(executor: str, cls: object = None) -> SimpleNamespace:
+        return SimpleNamespace(scheduler_config=SimpleNamespace(scheduler_cls=cls),
+                               parallel_config=SimpleNamespace(distributed_executor_backend=executor))
+
+    here = cfg("uni")
+    assert scheduler.install(here) is None and here.scheduler_config.scheduler_cls == scheduler.QUALNAME
+    apart = cfg("mp")
+    assert "process of its own" in scheduler.install(apart) and apart.scheduler_config.scheduler_cls is None
+    theirs = cfg("uni", "my.Scheduler")
+    assert "its own scheduler" in scheduler.install(theirs) and theirs.scheduler_config.scheduler_cls == "my.Scheduler"
+
+
+def test_a_report_is_queued_only_while_a_scheduler_listens() -> None:
+    from glyd_engine.format.kv_page import OverflowRoomError
+    from glyd_engine.vllm_plugin import refusals
+
+    lost = torch.tensor([33, 34, 70])
+    refusals.stop()
+    with pytest.raises(OverflowRoomError, match="GLYD_KV_ARENA_MB"):  # no scheduler to refuse: the engine stops
+        refusals.report(lost, 16, "a test")
+    refusals.listen()
+    try:
+        refusals.report(lost, 16, "a test", layer=7)
+        assert refusals.take() == {(2, 16): "a test", (4, 16): "a test"} and refusals.take() == {}
+        assert refusals.unstored_blocks(7) == {2, 4} and refusals.unstored_blocks(8) == set()
+        refusals.restarted(7, torch.tensor([64, 65]), 16)  # block 4 rewritten from token 0
+        assert refusals.unstored_blocks(7) == {2}
+    finally:
+        refusals.stop()
+    assert refusals.unstored_blocks(7) == set()
