@@ -364,9 +364,10 @@ class OverflowStore:
             self.free.setdefault(int(cap), []).append(int(off))
         self.ptr[tiles] = -1
 
-    def reserve_entries(self, tiles: torch.Tensor, heads: torch.Tensor, kv: int, need: torch.Tensor
-                        ) -> torch.Tensor:
-        """Make each (tile, head) run hold at least `need` entries (repeats allowed); their offsets (int64)."""
+    def _short_runs(self, tiles: torch.Tensor, heads: torch.Tensor, kv: int, need: torch.Tensor
+                    ) -> list[tuple[int, int, int, int, int]]:
+        """The (tile, head) runs that hold fewer than `need` entries (repeats allowed): (tile, head, run size to
+        take, old offset, old capacity) each."""
         key = tiles.to(torch.int64) * self.num_heads + heads.to(torch.int64)
         pages, inverse = torch.unique(key, return_inverse=True)
         most = torch.zeros(pages.numel(), dtype=torch.int64, device=need.device)
@@ -374,9 +375,14 @@ class OverflowStore:
         pt, ph = pages // self.num_heads, pages % self.num_heads
         old_off, cap = self.unpack(self.ptr[pt, ph, kv])
         short = (cap < most).nonzero().flatten().tolist()
-        for t, h, n, off, c in zip(pt[short].tolist(), ph[short].tolist(), most[short].tolist(),
-                                   old_off[short].tolist(), cap[short].tolist(), strict=True):
-            size = max(OVERFLOW_MIN_RUN, 1 << (n - 1).bit_length())
+        return [(t, h, max(OVERFLOW_MIN_RUN, 1 << (n - 1).bit_length()), off, c) for t, h, n, off, c in zip(
+            pt[short].tolist(), ph[short].tolist(), most[short].tolist(), old_off[short].tolist(),
+            cap[short].tolist(), strict=True)]
+
+    def reserve_entries(self, tiles: torch.Tensor, heads: torch.Tensor, kv: int, need: torch.Tensor
+                        ) -> torch.Tensor:
+        """Make each (tile, head) run hold at least `need` entries (repeats allowed); their offsets (int64)."""
+        for t, h, size, off, c in self._short_runs(tiles, heads, kv, need):
             new = self._take(size)
             if c:
                 self.arena[new : new + c] = self.arena[off : off + c]
@@ -387,15 +393,7 @@ class OverflowStore:
     def growth_for(self, wants: list[tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]]) -> int:
         """Entries past the top that `reserve_entries` would take for these (tiles, heads, kv, need) requests, free
         runs of the right size counted first (a moved run's old space is not: an upper bound)."""
-        sizes: list[int] = []
-        for tiles, heads, kv, need in wants:
-            key = tiles.to(torch.int64) * self.num_heads + heads.to(torch.int64)
-            pages, inverse = torch.unique(key, return_inverse=True)
-            most = torch.zeros(pages.numel(), dtype=torch.int64, device=need.device)
-            most.scatter_reduce_(0, inverse, need.to(torch.int64), "amax", include_self=False)
-            cap = self.unpack(self.ptr[pages // self.num_heads, pages % self.num_heads, kv])[1]
-            short = most[cap < most]
-            sizes += [max(OVERFLOW_MIN_RUN, 1 << (int(n) - 1).bit_length()) for n in short.tolist()]
+        sizes = [run[2] for tiles, heads, kv, need in wants for run in self._short_runs(tiles, heads, kv, need)]
         free = {size: len(runs) for size, runs in self.free.items()}
         grow = 0
         for size in sizes:
@@ -412,8 +410,11 @@ class OverflowStore:
     def check_room(self, entries: int) -> None:
         """Raise `OverflowRoomError` if `entries` more past the top would pass the limit."""
         if not self.has_room(entries):
-            raise OverflowRoomError(f"the Glyd overflow arena would need {2 * (self._top + entries) / 1e6:.1f} MB, "
-                                    f"past its limit of {2 * self.limit / 1e6:.1f} MB")
+            raise self._past_limit(self._top + entries)
+
+    def _past_limit(self, entries: int) -> OverflowRoomError:
+        return OverflowRoomError(f"the Glyd overflow arena would need {2 * entries / 1e6:.1f} MB, past its limit of "
+                                 f"{2 * (self.limit or 0) / 1e6:.1f} MB")
 
     def compact(self, capacity: int) -> int:
         """Move the live runs to the front of an arena of at least `capacity` entries, in pointer order, and
@@ -428,8 +429,7 @@ class OverflowStore:
         size = -(-max(capacity, top) // OVERFLOW_MIN_RUN) * OVERFLOW_MIN_RUN
         grow = size > self.arena.numel()
         if grow and self.limit is not None and size > self.limit:
-            raise OverflowRoomError(f"the Glyd overflow arena would need {2 * size / 1e6:.1f} MB, past its limit of "
-                                    f"{2 * self.limit / 1e6:.1f} MB")
+            raise self._past_limit(size)
         arena = torch.zeros(size, dtype=torch.int16, device=self.arena.device) if grow else self.arena
         if top:
             run = torch.repeat_interleave(torch.arange(caps.numel(), device=caps.device), caps)
@@ -527,13 +527,17 @@ class KVPageCodec:
         return OverflowStore(num_blocks * self.layout.tiles, self.num_heads)
 
     # -- write -----------------------------------------------------------------------------------------------
+    def _window_codes(self, e: torch.Tensor, kv: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Exponents e [T, H, D] (int64) as codes in their channel's window, and which escape it."""
+        w = window(self.layout.code_bits)
+        c = e - (self.tops[kv].to(torch.int64).unsqueeze(0) - (w - 1))
+        return c, (c < 0) | (c >= w)
+
     def escapes(self, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """Values a token [T] (K and V) outside their channel's window: what a write must list or overflow."""
-        w = window(self.layout.code_bits)
         n = torch.zeros(key.shape[0], dtype=torch.int64)
         for kv, x in ((0, key), (1, value)):
-            c = bf16.split(x)[0].to(torch.int64) - (self.tops[kv].to(torch.int64).unsqueeze(0) - (w - 1))
-            n += ((c < 0) | (c >= w)).flatten(1).sum(1).cpu()
+            n += self._window_codes(bf16.split(x)[0].to(torch.int64), kv)[1].flatten(1).sum(1).cpu()
         return n
 
     def write(self, cache: torch.Tensor, overflow: OverflowStore, key: torch.Tensor, value: torch.Tensor,
@@ -576,9 +580,7 @@ class KVPageCodec:
             e, sm = bf16.split(x)  # [T, H, D]
             e = e.to(torch.int64)
             s, m = (sm.to(torch.int64) >> 7) & 1, sm.to(torch.int64) & 0x7F
-            low = self.tops[kv].to(torch.int64).unsqueeze(0) - (w - 1)  # [1, H, D]
-            c = e - low
-            esc = (c < 0) | (c >= w)
+            c, esc = self._window_codes(e, kv)
             c = torch.where(esc, e & (w - 1), c)
             lbyte = ((c & 1) << 7) | m
             hi = torch.stack([s, *((c >> j) & 1 for j in range(cb - 1, 0, -1))], -1)  # [T, H, D, code_bits]
