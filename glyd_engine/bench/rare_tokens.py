@@ -137,9 +137,9 @@ def run_rare_child(spec: dict[str, Any]) -> dict[str, Any]:
     res["prompts_sha256"] = hashlib.sha256(json.dumps(prompts).encode()).hexdigest()  # the parent checks they agree
     max_tokens = int(spec["rare"]["max_tokens"])
     n_rare = int(spec["rare"]["n"])
-    if spec["rare"].get("phased"):
-        res["phases"] = _phases(llm, prompts, n_rare, max_tokens)
-        res["stats"] = _stats(llm)
+    if spec["rare"].get("phases"):
+        res["phases"] = _phases(llm, prompts, spec["rare"]["phases"], max_tokens)
+        res["stats"] = res["phases"][-1]["stats"]
         return res
     t = time.monotonic()
     outs, top2 = _tokens_top2(_generate(llm, prompts, max_tokens, logprobs=2))
@@ -166,17 +166,18 @@ def _stats(llm: Any) -> dict[str, int]:
     return {k: sum(int(s[k]) for s in stats) for k in stats[0]} if stats else {}
 
 
-def _phases(llm: Any, prompts: list[list[int]], n_rare: int, max_tokens: int) -> list[list[dict[str, Any]]]:
-    """Half the ordinary prompts, then the rare ones, then the other ordinary half and the first rare prompt again:
-    each request's tokens and how it finished (a refusal when the overflow arena is limited: GLYD_KV_ARENA_MB)."""
+def _phases(llm: Any, prompts: list[list[int]], plan: list[list[Any]], max_tokens: int) -> list[dict[str, Any]]:
+    """The prompts in phases, one after another: a phase lists prompt indices (the rare prompts first, then the
+    ordinary ones), or [index, tokens] for a prompt's first tokens. Each request's tokens and how it finished (a
+    refusal when the overflow arena is limited: GLYD_KV_ARENA_MB), and the counters after each phase."""
     from glyd_engine.bench.kv import _generate
 
-    ordinary = prompts[n_rare:]
-    half = len(ordinary) // 2
     out = []
-    for batch in (ordinary[:half], prompts[:n_rare], ordinary[half:] + prompts[:1]):
-        out.append([{"tokens": list(o.outputs[0].token_ids), "finish_reason": o.outputs[0].finish_reason,
-                     "stop_reason": o.outputs[0].stop_reason} for o in _generate(llm, batch, max_tokens)])
+    for phase in plan:
+        batch = [prompts[p[0]][: p[1]] if isinstance(p, list) else prompts[p] for p in phase]
+        requests = [{"tokens": list(o.outputs[0].token_ids), "finish_reason": o.outputs[0].finish_reason,
+                     "stop_reason": o.outputs[0].stop_reason} for o in _generate(llm, batch, max_tokens)]
+        out.append({"requests": requests, "stats": _stats(llm)})
     return out
 
 

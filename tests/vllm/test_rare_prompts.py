@@ -1,8 +1,9 @@
-"""Rare prompts, CI-sized: prompts made of the demo model's least-trained tokens
-(glyd_engine.bench.rare_tokens) served at once with ordinary ones by the real engine, lossless, with the
-read-back check on (every value a forward reads is compared bit for bit with a bf16 shadow of what was written).
-The full-size run (40 x ~1,400 + 8 ordinary, off against lossless) is `glyd bench rare`; docs/benchmarks.md.
-With the overflow arena limited (GLYD_KV_ARENA_MB), the same engine refuses the rare prompts alone and goes on.
+"""Rare prompts, CI-sized: prompts made of the demo model's least-trained tokens (glyd_engine.bench.rare_tokens)
+served beside ordinary ones by the real engine, lossless, with the read-back check on (every value a forward reads is
+compared bit for bit with a bf16 shadow of what was written), and the overflow arena limited (GLYD_KV_ARENA_MB) so
+that a short rare prompt fits it and long ones do not. One engine, three phases: the short rare prompt completes
+through the overflow path; the long ones are refused alone; ordinary prompts complete after them. The full-size run
+(40 x ~1,400 + 8 ordinary, off against lossless, no limit) is `glyd bench rare`; docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ from tests.vllm.conftest import KV_BYTES
 
 pytestmark = pytest.mark.slow
 
-RARE = {"n": 6, "length": 400, "ordinary": 2, "ordinary_length": 400, "max_tokens": 4}
+RARE = {"n": 5, "length": 400, "ordinary": 4, "ordinary_length": 400, "max_tokens": 4}  # prompts 0-4 rare, 5-8 not
+ARENA_MB = "0.004"  # 2,000 entries a layer: a 96-token rare prompt's overflow fits beside two ordinary prompts' own,
+SHORT = 96  # and a 400-token one's does not
+PLAN = [[5, 6, [0, SHORT]], [1, 2, 3, 4], [7, 8, 1]]  # then the long rare ones; then ordinary ones and a long one again
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +28,7 @@ def rare_run(demo_model_dir: Path) -> dict[str, Any]:
     from glyd_engine.bench.rare_tokens import run_engine
 
     return run_engine({"model": demo_model_dir, "mode": "lossless", "check": True, "kv_bytes": KV_BYTES,
-                       "max_model_len": 1024, "rare": RARE}, timeout=600)
+                       "max_model_len": 1024, "arena_mb": ARENA_MB, "rare": {**RARE, "phases": PLAN}}, timeout=600)
 
 
 def test_rare_tokens_found(demo_model_dir: Path) -> None:
@@ -38,9 +42,14 @@ def test_rare_tokens_found(demo_model_dir: Path) -> None:
     assert {"ManagementPlaneProtection", "MetaInfoClass", "swigfaiss"} <= tokens, tokens
 
 
-def test_rare_prompts_complete_exact_and_escape(rare_run: dict) -> None:
-    assert rare_run["requests"] == rare_run["completed"] == RARE["n"] + RARE["ordinary"]
-    s = rare_run["stats"]
+def _completed(requests: list[dict[str, Any]]) -> bool:
+    return all(r["finish_reason"] == "length" and len(r["tokens"]) == RARE["max_tokens"] for r in requests)
+
+
+def test_a_rare_prompt_that_fits_completes_exact_through_the_overflow_path(rare_run: dict) -> None:
+    first = rare_run["phases"][0]
+    assert _completed(first["requests"]), first["requests"]
+    s = first["stats"]
     assert s["values_checked"] > 0 and s["values_differing"] == 0, s
     assert s["escapes"] > 0, s
     # rare-token text escapes more than a page's reserve holds: the overflow path ran, and only for some escapes
@@ -48,28 +57,15 @@ def test_rare_prompts_complete_exact_and_escape(rare_run: dict) -> None:
     assert 0 < s["overflow_values_held"] <= s["overflow_values"], s
 
 
-ARENA_MB = "0.004"  # 2,000 entries a layer: ordinary prompts' overflow fits, a prompt of rare tokens' does not
-
-
-@pytest.fixture(scope="module")
-def refused_run(demo_model_dir: Path) -> dict[str, Any]:
-    from glyd_engine.bench.rare_tokens import run_engine
-
-    return run_engine({"model": demo_model_dir, "mode": "lossless", "check": True, "kv_bytes": KV_BYTES,
-                       "max_model_len": 1024, "arena_mb": ARENA_MB,
-                       "rare": {**RARE, "n": 4, "ordinary": 4, "phased": True}}, timeout=600)
-
-
-def test_a_full_arena_refuses_the_rare_requests_alone_and_loses_nothing(refused_run: dict) -> None:
-    """Ordinary prompts, then rare ones, then ordinary ones and a rare one again, in one engine whose arena is
-    limited: the rare requests finish with an error saying why and what to do, before any token; every other request
-    completes; every value read back (the refused blocks left out) is the value written."""
-    before, rare, after = refused_run["phases"]
-    done = before + after[:-1]
-    assert all(r["finish_reason"] == "length" and len(r["tokens"]) == RARE["max_tokens"] for r in done), done
+def test_a_full_arena_refuses_the_rare_requests_alone_and_loses_nothing(rare_run: dict) -> None:
+    """Long rare prompts, then ordinary ones and a long rare one again, in the same engine: the rare requests finish
+    with an error saying why and what to do, before any token; every other request completes; every value read back
+    (the refused blocks left out) is the value written."""
+    _, rare, after = (p["requests"] for p in rare_run["phases"])
+    assert _completed(after[:-1]), after
     for r in [*rare, after[-1]]:
         assert r["finish_reason"] == "error" and r["tokens"] == [], r
         assert "overflow arena" in r["stop_reason"] and "GLYD_KV_ARENA_MB" in r["stop_reason"], r
-    s = refused_run["stats"]
-    assert s["values_checked"] > 0 and s["values_differing"] == 0, s
+    s = rare_run["stats"]
+    assert s["values_checked"] > rare_run["phases"][0]["stats"]["values_checked"] and s["values_differing"] == 0, s
     assert s["overflow_arena_bytes"] <= s["layers"] * float(ARENA_MB) * 1e6, s
