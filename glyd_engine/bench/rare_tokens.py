@@ -174,7 +174,7 @@ def _phases(llm: Any, prompts: list[list[int]], plan: list[list[Any]], max_token
 
     out = []
     for phase in plan:
-        batch = [prompts[p[0]][: p[1]] if isinstance(p, list) else prompts[p] for p in phase]
+        batch = [prompts[p[0]][: p[1]] if isinstance(p, (list, tuple)) else prompts[p] for p in phase]
         requests = [{"tokens": list(o.outputs[0].token_ids), "finish_reason": o.outputs[0].finish_reason,
                      "stop_reason": o.outputs[0].stop_reason} for o in _generate(llm, batch, max_tokens)]
         out.append({"requests": requests, "stats": _stats(llm)})
