@@ -602,16 +602,11 @@ class KVPageCodec:
             work[:, :, ho : ho + hp] = ((plane & ~mask) | new).to(torch.uint8).view(U, H, hp)
             # escape entries, in (token, channel) order per tile and head
             t_i, h_i, d_i = esc.nonzero(as_tuple=True)  # token-major, then head, then channel
-            self.stats.values += c.numel()
-            self.stats.escapes += int(t_i.numel())
             ent = o[t_in[t_i], d_i] | ((e[t_i, h_i, d_i] >> cb) << POS_BITS)
             entries_by_kv.append((inverse[t_i], h_i, t_in[t_i], d_i, ent))
-        try:
-            self._append_entries(work, overflow, utile, n_tot, n_in, entries_by_kv)
-        except OverflowRoomError:  # nothing of this write is stored: nor counted
-            self.stats.values -= 2 * key.numel()
-            self.stats.escapes -= sum(int(e[0].numel()) for e in entries_by_kv)
-            raise
+        self._append_entries(work, overflow, utile, n_tot, n_in, entries_by_kv)  # may refuse: nothing stored
+        self.stats.values += 2 * key.numel()  # counted once stored
+        self.stats.escapes += sum(int(e[0].numel()) for e in entries_by_kv)
         cnt = torch.cat([n_tot, n_in], -1)
         work[:, :, tr : tr + TRAILER] = _u16(cnt).view(torch.uint8).view(U, H, TRAILER)
         tiles[blk_u, :, sub_u] = work

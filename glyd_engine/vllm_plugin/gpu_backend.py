@@ -75,7 +75,7 @@ class GlydGPUMetadataBuilder(AttentionMetadataBuilder[GlydGPUMetadata]):
         (a write that finds no room must report its slots, for their requests to be refused: refusals.py)."""
         if settings.check_enabled(vllm_config) or settings.kernels(vllm_config) == "reference" or \
                 settings.decide(vllm_config).mode == "exact" or \
-                settings.arena_limit_entries(vllm_config) is not None:  # exact: FlashAttention on decoded pages
+                settings.arena_limit_entries(vllm_config) is not None:
             return AttentionCGSupport.NEVER
         return cls._cudagraph_support
 
