@@ -204,7 +204,7 @@ def test_kernel_times_puts_the_largest_first_and_sums_the_rest() -> None:
 
     from glyd_engine.bench.kernel_times import format_kernel_times, kernel_times
 
-    a = torch.randn(384, 384)
+    a = torch.randn(768, 768)  # the matmul ~50x its relu's time: first even on a busy 2-core machine
     prof = kernel_times(lambda: [(a @ a).relu_().sum() + torch.ones(3).cos().sum() for _ in range(4)], top=2)
     names = [r["name"] for r in prof["kernels"]]
     assert prof["device"] == "cpu" and names[0] == "aten::mm" and prof["kernels"][0]["calls"] == 4

@@ -1,10 +1,11 @@
 """The real engine (vLLM CPU build, eager) under tensor and pipeline parallelism, size 2: a tiny model the test makes
 (4 layers, 4 query and 2 KV heads of size 64, the demo tokenizer; the demo model's 3 KV heads do not split in two).
 
-Five engines, each started once: bf16 with vLLM's own cache at TP=2 and at PP=2 (the references), the lossless
-cache with the read-back check at TP=2, the Glyd checkpoint at TP=2, and the Glyd checkpoint with the lossless cache
-and the check at PP=2. Each is compared bit for bit with the reference of its own layout (TP and PP sum in
-different orders, so their logprobs differ from each other in the last bits).
+Four engines, each started once: bf16 with vLLM's own cache at TP=2 and at PP=2 (the references), and the Glyd
+checkpoint with the lossless cache and the read-back check at TP=2 and at PP=2 (the eager Glyd matmul gives the bf16
+model's products, and the lossless cache off's values, so the pair must equal the reference bit for bit). Each is
+compared with the reference of its own layout (TP and PP sum in different orders, so their logprobs differ from each
+other in the last bits).
 """
 
 from __future__ import annotations
@@ -63,13 +64,8 @@ def off_tp(models: dict[str, Path]) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def lossless_tp(models: dict[str, Path]) -> dict[str, Any]:
-    return _run(models["bf16"], "lossless", TP, check=True)
-
-
-@pytest.fixture(scope="module")
-def glyd_tp(models: dict[str, Path]) -> dict[str, Any]:
-    return _run(models["glyd"], "off", TP, quantization="glyd")
+def glyd_lossless_tp(models: dict[str, Path]) -> dict[str, Any]:
+    return _run(models["glyd"], "lossless", TP, check=True, quantization="glyd")
 
 
 @pytest.fixture(scope="module")
@@ -90,36 +86,34 @@ def _tops_digest(tables: Any, layers: range, heads: range) -> str:
     return h.hexdigest()
 
 
-def test_tp_lossless_capacity_values_and_logprobs(off_tp: dict, lossless_tp: dict) -> None:
+def test_tp_glyd_checkpoint_and_lossless_equal_bf16_and_off(off_tp: dict, glyd_lossless_tp: dict,
+                                                           models: dict[str, Path]) -> None:
+    run = glyd_lossless_tp
     assert len(off_tp["prompt_logprobs"][0]) == WORK["logprobs"][0] - 1
-    assert bits_equal(off_tp, lossless_tp)
-    assert lossless_tp["greedy"] == off_tp["greedy"]
-    assert lossless_tp["kv_tokens"] / off_tp["kv_tokens"] >= 1.40, (off_tp["kv_tokens"], lossless_tp["kv_tokens"])
-    s = lossless_tp["stats"]
+    assert bits_equal(off_tp, run)
+    assert run["greedy"] == off_tp["greedy"]
+    assert run["kv_tokens"] / off_tp["kv_tokens"] >= 1.40, (off_tp["kv_tokens"], run["kv_tokens"])
+    s = run["stats"]
     assert s["values_checked"] > 0 and s["values_differing"] == 0, s
     assert s["layers"] == 2 * 4 and s["escapes"] > 0, s  # both ranks' 4 attention layers wrote and were read
+    header = read_header(next(models["glyd"].glob("glyd-*.safetensors")))
+    packed = sum(info["shape"][0] for name, info in header.items() if name.endswith("_glyd_sm"))
+    ranks = run["weights_by_rank"]
+    # every packed tensor is split in two (2 KV heads: none replicated), held compressed, none as bf16
+    assert sum(r["glyd_weight_values"] for r in ranks) == packed
+    assert all(r["glyd_weight_tensors"] == 1 + 4 * 4 for r in ranks)  # embedding (tied head) + qkv/o/gate_up/down
 
 
-def test_tp_ranks_hold_their_kv_heads_tables(lossless_tp: dict, models: dict[str, Path]) -> None:
+def test_tp_ranks_hold_their_kv_heads_tables(glyd_lossless_tp: dict, models: dict[str, Path]) -> None:
+    """The checkpoint answers with its source's fingerprint: each rank selects its KV heads from the same tables."""
     from glyd_engine.tables import ensure_tables
 
     whole = ensure_tables(models["bf16"])
-    shares = lossless_tp["kv_shares"]
+    shares = glyd_lossless_tp["kv_shares"]
     assert [(s["layers"], s["kv_heads"]) for s in shares] == [([0, 4], [0, 1]), ([0, 4], [1, 2])]
     for s in shares:
         assert s["tops_sha256"] == _tops_digest(whole, range(*s["layers"]), range(*s["kv_heads"]))
         assert s["token_bytes"]["3"] == whole.token_bytes(3)  # the same page size on every rank
-
-
-def test_tp_glyd_checkpoint_equals_its_bf16_model(off_tp: dict, glyd_tp: dict, models: dict[str, Path]) -> None:
-    assert bits_equal(off_tp, glyd_tp)
-    assert glyd_tp["greedy"] == off_tp["greedy"]
-    header = read_header(next(models["glyd"].glob("glyd-*.safetensors")))
-    packed = sum(info["shape"][0] for name, info in header.items() if name.endswith("_glyd_sm"))
-    ranks = glyd_tp["weights_by_rank"]
-    # every packed tensor is split in two (2 KV heads: none replicated), held compressed, none as bf16
-    assert sum(r["glyd_weight_values"] for r in ranks) == packed
-    assert all(r["glyd_weight_tensors"] == 1 + 4 * 4 for r in ranks)  # embedding (tied head) + qkv/o/gate_up/down
 
 
 def test_pp_glyd_checkpoint_and_lossless_equal_bf16_and_off(off_pp: dict, glyd_lossless_pp: dict,
