@@ -6,6 +6,11 @@ before it parses anything (`PackageNotFoundError: vllm`). `python -m glyd_engine
 that one lookup with the CPU build's metadata (version `X+cpu`), in this process only (nothing is written to
 site-packages, and a real `vllm` distribution, where installed, is found first), then runs vLLM's main.
 `glyd serve` and `glyd doctor` start vLLM through it.
+
+Both presets run when this module is imported, not only in `main`: vLLM's server spawns its engine core, and a
+spawned child first re-imports the parent's main module (multiprocessing runs `glyd_engine.vllm_cli` as
+`__mp_main__`) and only then unpickles what imports vLLM. So the child keeps a mismatched torchvision out too
+(torch_extras), where otherwise its `import vllm` fails on "operator torchvision::nms does not exist".
 """
 
 from __future__ import annotations
@@ -65,11 +70,18 @@ def install_metadata_alias() -> None:
         sys.meta_path.append(VllmCpuMetadata())
 
 
-def main(argv: list[str] | None = None) -> None:
+def prepare_process() -> None:
+    """What every process of vLLM's command line needs before it imports vLLM (idempotent)."""
     from glyd_engine import torch_extras
 
-    torch_extras.guard()  # vLLM's server imports transformers, which imports any torchvision installed
+    torch_extras.guard()  # vLLM imports transformers, which imports any torchvision installed
     install_metadata_alias()
+
+
+prepare_process()  # here too for the processes vLLM spawns (see the module docstring)
+
+
+def main(argv: list[str] | None = None) -> None:
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
     sys.argv[0] = "vllm"

@@ -64,6 +64,22 @@ def test_unloadable_torchvision_breaks_the_import_unless_guarded(broken_addon: d
     assert "torchvision" in out["kept"] and out["spec"] is True
 
 
+def test_a_process_vllms_server_spawns_is_guarded_before_it_imports_vllm(broken_addon: dict[str, str]) -> None:
+    """`glyd serve` runs `python -m glyd_engine.vllm_cli`; vLLM's server spawns its engine core, which prepares
+    itself from that main module (multiprocessing's own `prepare`, as here) before it unpickles what imports vLLM.
+    The pipx install's `glyd serve` failed there while its parent was guarded."""
+    child = run_py(
+        "import multiprocessing.spawn as spawn\n"
+        "spawn.prepare({'init_main_from_name': 'glyd_engine.vllm_cli'})\n"
+        "import transformers.image_utils\n"
+        "from glyd_engine import torch_extras\n"
+        "print(sorted(torch_extras.blocked()))",
+        broken_addon,
+    )
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert "torchvision" in child.stdout.strip().splitlines()[-1]
+
+
 def test_doctor_runs_the_engines_import(broken_addon: dict[str, str], tmp_path: Path) -> None:
     ok = subprocess.run([sys.executable, "-m", "glyd_engine.cli", "doctor", "--json"], capture_output=True,
                         text=True, env=broken_addon, timeout=300)
