@@ -2,7 +2,7 @@
 
 The packed engine keeps every linear layer and the (tied) embedding in the resident code and decodes each
 weight for its matmul, so it is several times slower than bf16 on the CPU: workloads are the shared `off`
-engine's (a 1,152-token prompt's logprobs, greedy tokens), compared bit for bit. A second engine holds the
+engine's (an 896-token prompt's logprobs, greedy tokens), compared bit for bit. A second engine holds the
 weights in the CUDA matmul's fragment layout (`GLYD_WEIGHT_LAYOUT=fragment`, its torch reference here).
 """
 
