@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.abc
 import importlib.util
 import os
 import shutil
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -59,3 +62,16 @@ def packed_demo_dir(demo_model_dir: Path) -> Path:
     dst = TEST_HOME / "cache" / "packed-demo"
     assert main(["pack", str(demo_model_dir), str(dst), "--force"]) == 0
     return dst
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM a server started in a session of its own, SIGKILL after 60 s; one that exited already has been
+    reported by the test (its log), not masked here by a ProcessLookupError."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

@@ -9,10 +9,8 @@ cache and quits, and the engine process is gone. The server answers a real `open
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -27,6 +25,7 @@ from glyd_app.app import GlydApp
 from glyd_app.store import Store
 from glyd_app.widgets.stats_bar import StatsBar
 from glyd_engine.engine.protocol import EngineSettings
+from tests.conftest import stop_server
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow,
               pytest.mark.skipif(shutil.which("nvidia-smi") is None, reason="needs an NVIDIA GPU")]
@@ -93,10 +92,4 @@ def test_glyd_serve_lossless_answers_a_streamed_chat(demo_model_dir: Path, tmp_p
         text_log = log.read_text(errors="replace")
         assert "Glyd KV cache: lossless" in text_log and "cuda kernels" in text_log, text_log[-3000:]
     finally:
-        with contextlib.suppress(ProcessLookupError):  # a server that exited is reported above, not masked here
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_server(proc)

@@ -10,9 +10,7 @@ this checkout's."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -23,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import TEST_HOME
+from tests.conftest import TEST_HOME, stop_server
 from tests.vllm.conftest import engine
 
 openai = pytest.importorskip("openai")
@@ -75,13 +73,7 @@ def served(demo_model_dir: Path, packed_demo_dir: Path, tmp_path_factory: pytest
                 time.sleep(2)
         yield {"client": client, "model": model, "log": log, "packed": packed, "package": package}
     finally:
-        with contextlib.suppress(ProcessLookupError):  # a server that exited already has said why above
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_server(proc)
 
 
 def test_glyd_serve_demo_answers_a_streamed_chat_with_its_defaults(served: dict[str, Any]) -> None:
