@@ -5,6 +5,7 @@ Use: python3 bench/serve_deps.py"""
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import sys
 import types
 from unittest import mock
@@ -29,7 +30,9 @@ def main() -> int:
             if not e.name or e.name in missing:
                 raise
             missing.append(e.name)
-            sys.modules[e.name] = _Stand(e.name)
+            stand = _Stand(e.name)
+            stand.__spec__ = importlib.machinery.ModuleSpec(e.name, None)  # find_spec() needs one
+            sys.modules[e.name] = stand
             for name in [m for m in sys.modules if m.startswith("vllm.entrypoints")]:
                 del sys.modules[name]
     print("missing:", " ".join(missing) if missing else "none")
