@@ -63,6 +63,8 @@ def _engine(spec: dict[str, Any]) -> Any:
     for key in ("quantization", "attention_backend"):
         if spec.get(key):
             extra[key] = spec[key]
+    if spec.get("executor"):  # "mp": the worker in a process of its own, as vLLM's CPU server runs it
+        extra["distributed_executor_backend"] = spec["executor"]
     if "prefix_caching" in spec:
         extra["enable_prefix_caching"] = bool(spec["prefix_caching"])
     return LLM(**engine_args(spec["model"], settings, cpu=not gpu, glyd=glyd, seed=0,

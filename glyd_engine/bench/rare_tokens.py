@@ -137,6 +137,7 @@ def run_rare_child(spec: dict[str, Any]) -> dict[str, Any]:
     res["prompts_sha256"] = hashlib.sha256(json.dumps(prompts).encode()).hexdigest()  # the parent checks they agree
     max_tokens = int(spec["rare"]["max_tokens"])
     n_rare = int(spec["rare"]["n"])
+    res["pids"] = {"engine": os.getpid(), "workers": llm.collective_rpc(_worker_pid)}  # in-process or apart
     if spec["rare"].get("phases"):
         res["phases"] = _phases(llm, prompts, spec["rare"]["phases"], max_tokens)
         res["stats"] = res["phases"][-1]["stats"]
@@ -157,6 +158,10 @@ def run_rare_child(spec: dict[str, Any]) -> dict[str, Any]:
         res["stats"] = _stats(llm)
     res["total_s"] = round(time.monotonic() - t0, 1)
     return res
+
+
+def _worker_pid(worker: Any = None) -> int:
+    return os.getpid()
 
 
 def _stats(llm: Any) -> dict[str, int]:

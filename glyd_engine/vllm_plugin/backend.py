@@ -26,7 +26,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 
 from glyd_engine.format.kv_page import write_by_block
-from glyd_engine.vllm_plugin import settings, state
+from glyd_engine.vllm_plugin import refusals, settings, state
 from glyd_engine.vllm_plugin.backend_base import GlydBackendBase
 from glyd_engine.vllm_plugin.page_facts import TorchPageFacts
 
@@ -77,6 +77,7 @@ class GlydAttentionImpl(CPUAttentionBackendImpl):
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         if self.attn_type != AttentionType.DECODER:
             return
+        refusals.apply_releases()  # the overflow of requests the scheduler refused, before any block is reused
         st = self._state(layer, kv_cache)
         n = slot_mapping.shape[0]
         key, value = key[:n], value[:n]

@@ -1,11 +1,11 @@
 """vLLM's scheduler, refusing the requests whose values found no room in the overflow arena (refusals.py).
 
-After each step it takes the blocks the page writer could not store, finishes every running request holding one
+After each step it takes the blocks the page writers could not store, finishes every running request holding one
 with finish reason `error` (its `stop_reason` says why and what to do), and evicts those blocks and every later
-block of those requests from the prefix cache (their values were computed over the unstored ones). The rest of the
-batch goes on untouched. The plugin's config check names `GlydScheduler` as vLLM's scheduler class where the
-worker runs in the scheduler's process (vLLM's "uni" executor: one GPU; the CPU build with the engine core
-in-process) and the user named none of their own.
+block of those requests from the prefix cache (their values were computed over the unstored ones); the workers give
+the freed blocks' overflow back before their next step. The rest of the batch goes on untouched. The plugin's config
+check names `GlydScheduler` as vLLM's scheduler class, with the refusal channel its processes share, unless the user
+named a scheduler of their own.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.request import RequestStatus
 
-from glyd_engine.vllm_plugin import refusals, state
+from glyd_engine.vllm_plugin import refusals
 
 log = logging.getLogger("vllm.glyd")
 
@@ -56,7 +56,7 @@ class _Refusing:
         sched.kv_cache_manager.evict_blocks(owned | set(bad))
         finished = sched.finish_requests(whys, RequestStatus.FINISHED_ERROR)
         # only blocks this call freed: another free block may already be another request's, written from token 0
-        state.release_overflow(owned, sched.block_size)
+        refusals.release(owned, sched.block_size)
         out = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
         for request in finished:
             log.error("Glyd KV cache: request %s refused (%s)", request.request_id, whys[request.request_id])
@@ -84,13 +84,12 @@ def GlydScheduler(*args: Any, **kwargs: Any) -> Scheduler:  # noqa: N802 (vLLM c
 
 
 def install(vllm_config: Any) -> str | None:
-    """Name GlydScheduler as the engine's scheduler; None if done, else why refusals stay errors."""
+    """Name GlydScheduler as the engine's scheduler and the refusal channel its processes inherit; None if done, else
+    why refusals stay errors."""
     sc = vllm_config.scheduler_config
     if sc.scheduler_cls not in (None, QUALNAME):
+        refusals.close_channel()
         return f"the engine names its own scheduler ({sc.scheduler_cls})"
-    executor = vllm_config.parallel_config.distributed_executor_backend
-    if executor != "uni":  # its worker reports in a process where no scheduler listens
-        return (f"the worker runs in a process of its own (executor {executor!r}: the CPU build's with "
-                "VLLM_ENABLE_V1_MULTIPROCESSING on, or several GPUs)")
     sc.scheduler_cls = QUALNAME
+    refusals.name_channel()
     return None

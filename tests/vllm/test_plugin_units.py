@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+import time
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -435,34 +439,85 @@ def test_a_ranks_kv_heads_follow_vllms_split() -> None:
         kv_heads_of_rank(3, 2, 0)
 
 
-def test_the_refusing_scheduler_goes_only_where_the_worker_shares_its_process() -> None:
+def test_the_refusing_scheduler_goes_wherever_the_user_named_no_scheduler(monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("vllm")
-    from glyd_engine.vllm_plugin import scheduler
+    from glyd_engine.vllm_plugin import refusals, scheduler
 
     def cfg(executor: str, cls: object = None) -> SimpleNamespace:
         return SimpleNamespace(scheduler_config=SimpleNamespace(scheduler_cls=cls),
                                parallel_config=SimpleNamespace(distributed_executor_backend=executor))
 
-    here = cfg("uni")
-    assert scheduler.install(here) is None and here.scheduler_config.scheduler_cls == scheduler.QUALNAME
-    apart = cfg("mp")
-    assert "process of its own" in scheduler.install(apart) and apart.scheduler_config.scheduler_cls is None
+    monkeypatch.delenv(refusals.CHANNEL_ENV, raising=False)
+    for executor in ("uni", "mp"):  # a worker of its own process reports through the channel it inherits
+        c = cfg(executor)
+        assert scheduler.install(c) is None and c.scheduler_config.scheduler_cls == scheduler.QUALNAME
+        assert refusals.CHANNEL_ENV in os.environ and not Path(os.environ[refusals.CHANNEL_ENV]).exists()
     theirs = cfg("uni", "my.Scheduler")
     assert "its own scheduler" in scheduler.install(theirs) and theirs.scheduler_config.scheduler_cls == "my.Scheduler"
+    assert refusals.CHANNEL_ENV not in os.environ  # nobody would read a report: the write raises
 
 
-def test_a_report_is_queued_only_while_a_scheduler_listens() -> None:
+def _report_in_another_process(channel: str, layer_blocks: list[int]) -> None:
+    """A worker of its own process: a report, then the releases the scheduler wrote back, applied to a stand-in
+    store whose releases are written down."""
+    from glyd_engine.vllm_plugin import refusals, state
+
+    os.environ[refusals.CHANNEL_ENV] = channel
+    refusals.report(torch.tensor(layer_blocks), 16, "a test", layer=3)
+    assert refusals.unstored_blocks(3) == {b // 16 for b in layer_blocks}  # the check's record stays in the worker
+    released: list[list[int]] = []
+    layout = SimpleNamespace(block_size=16, tiles=2)
+    store = SimpleNamespace(ptr=torch.zeros(1), release=lambda tiles: released.append(tiles.tolist()))
+    state.LAYERS["w"] = SimpleNamespace(codec=SimpleNamespace(layout=layout), overflow=store)
+    deadline = time.monotonic() + 60
+    while not released and time.monotonic() < deadline:
+        refusals.apply_releases()
+        time.sleep(0.01)
+    refusals.apply_releases()  # a release is applied once
+    Path(channel, "worker-saw").write_text(json.dumps(released))
+
+
+def test_a_worker_in_another_process_reports_and_applies_the_releases(monkeypatch: pytest.MonkeyPatch) -> None:
+    import multiprocessing
+
     from glyd_engine.format.kv_page import OverflowRoomError
     from glyd_engine.vllm_plugin import refusals
 
-    lost = torch.tensor([33, 34, 70])
-    refusals.stop()
+    monkeypatch.delenv(refusals.CHANNEL_ENV, raising=False)
     with pytest.raises(OverflowRoomError, match="GLYD_KV_ARENA_MB"):  # no scheduler to refuse: the engine stops
-        refusals.report(lost, 16, "a test")
+        refusals.report(torch.tensor([33]), 16, "a test")
+    channel = refusals.name_channel()
+    with pytest.raises(OverflowRoomError):  # named, but no scheduler listens yet
+        refusals.report(torch.tensor([33]), 16, "a test")
     refusals.listen()
     try:
-        refusals.report(lost, 16, "a test", layer=7)
-        assert refusals.take() == {(2, 16): "a test", (4, 16): "a test"} and refusals.take() == {}
+        worker = multiprocessing.get_context("spawn").Process(target=_report_in_another_process,
+                                                              args=(channel, [33, 34, 70]))
+        worker.start()
+        deadline = time.monotonic() + 60
+        got: dict = {}
+        while not got and time.monotonic() < deadline:
+            got = refusals.take()
+            time.sleep(0.01)
+        assert got == {(2, 16): "a test", (4, 16): "a test"} and refusals.take() == {}
+        refusals.release({2, 4}, 16)
+        worker.join(60)
+        assert worker.exitcode == 0
+        # blocks 2 and 4 of the scheduler's 16 tokens are tiles 4, 5 and 8, 9 of the pages' 16-token blocks
+        assert json.loads(Path(channel, "worker-saw").read_text()) == [[4, 5, 8, 9]]
+    finally:
+        refusals.stop()
+    assert not Path(channel).exists() and not refusals.listening()
+
+
+def test_the_check_forgets_a_block_written_again_from_its_first_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    from glyd_engine.vllm_plugin import refusals
+
+    monkeypatch.delenv(refusals.CHANNEL_ENV, raising=False)
+    refusals.name_channel()
+    refusals.listen()
+    try:
+        refusals.report(torch.tensor([33, 34, 70]), 16, "a test", layer=7)
         assert refusals.unstored_blocks(7) == {2, 4} and refusals.unstored_blocks(8) == set()
         refusals.restarted(7, torch.tensor([64, 65]), 16)  # block 4 rewritten from token 0
         assert refusals.unstored_blocks(7) == {2}

@@ -2,7 +2,10 @@
 served beside ordinary ones by the real engine, lossless, with the read-back check on (every value a forward reads is
 compared bit for bit with a bf16 shadow of what was written), and the overflow arena limited (GLYD_KV_ARENA_MB) so
 that a short rare prompt fits it and long ones do not. One engine, three phases: the short rare prompt completes
-through the overflow path; the long ones are refused alone; ordinary prompts complete after them. The full-size run
+through the overflow path; the long ones are refused alone; ordinary prompts complete after them. The worker runs in a
+process of its own (vLLM's `mp` executor, as `vllm serve` runs on the CPU build), so its reports and the scheduler's
+releases cross processes (refusals.py); the engine core stays in the child, so the schedule is the same run to run.
+The full-size run
 (40 x ~1,400 + 8 ordinary, off against lossless, no limit) is `glyd bench rare`; docs/benchmarks.md.
 """
 
@@ -28,7 +31,8 @@ def rare_run(demo_model_dir: Path) -> dict[str, Any]:
     from glyd_engine.bench.rare_tokens import run_engine
 
     return run_engine({"model": demo_model_dir, "mode": "lossless", "check": True, "kv_bytes": KV_BYTES,
-                       "max_model_len": 1024, "arena_mb": ARENA_MB, "rare": {**RARE, "phases": PLAN}}, timeout=600)
+                       "max_model_len": 1024, "arena_mb": ARENA_MB, "executor": "mp",
+                       "rare": {**RARE, "phases": PLAN}}, timeout=600)
 
 
 def test_rare_tokens_found(demo_model_dir: Path) -> None:
@@ -63,6 +67,7 @@ def test_a_full_arena_refuses_the_rare_requests_alone_and_loses_nothing(rare_run
     with an error saying why and what to do, before any token; every other request completes; every value read back
     (the refused blocks left out) is the value written."""
     _, _, rare, after = (p["requests"] for p in rare_run["phases"])
+    assert rare_run["pids"]["engine"] not in rare_run["pids"]["workers"], rare_run["pids"]  # reports crossed processes
     assert _completed(after[:-1]), after
     for r in [*rare, after[-1]]:
         assert r["finish_reason"] == "error" and r["tokens"] == [], r
