@@ -47,6 +47,7 @@ class GlydAttentionImpl(CPUAttentionBackendImpl):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         cfg = get_current_vllm_config()  # the selector chose this backend from settings.decide(cfg)
+        refusals.join(cfg)
         self.check = settings.check_enabled(cfg)
         self.tables = state.rank_tables(cfg.model_config.model)  # this worker's layers and KV heads
         self.code_bits = settings.code_bits(cfg)

@@ -221,6 +221,7 @@ class GlydGPUAttentionImpl(AttentionImpl):
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         cfg = get_current_vllm_config()
+        refusals.join(cfg)
         self.check = settings.check_enabled(cfg)
         self.impl = "torch" if settings.kernels(cfg) == "reference" else "cuda"
         self.tables = state.rank_tables(cfg.model_config.model)  # this worker's layers and KV heads

@@ -8,7 +8,8 @@ inherit it. After each step the scheduler (`scheduler.py`) reads them, finishes 
 with an error, evicts those blocks from the prefix cache, and appends the freed blocks to `releases`; each worker
 gives their overflow runs back before its next step writes (`apply_releases`). One path, whether the worker shares
 the scheduler's process (one GPU; the CPU build with its engine core in-process) or runs in a process of its own
-(the CPU build's `vllm serve`, several workers).
+(the CPU build's `vllm serve`, several workers). The engines of data parallelism share the channel's name, each
+with a folder of its own in it (`join`).
 
 Order: a worker reports inside the step, before it returns (the CUDA writer's lost slots are read on the host; another
 rank reports before the collective that the output rank waits on), so the scheduler's update for that step finds
@@ -20,6 +21,7 @@ and nothing wrong is ever served.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -28,6 +30,7 @@ import tempfile
 import threading
 import uuid
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -40,6 +43,7 @@ HINT = ("set a larger GLYD_KV_ARENA_MB (or additional_config glyd.arena_mb), low
         "the GPU room beside vLLM's budget, or run with GLYD_KV=off")
 
 _lock = threading.Lock()
+_engine = ["dp0"]  # this process's engine's folder in the channel
 _read: dict[str, int] = {}  # a channel file's path -> how far this process has read it
 _unstored: dict[int, set[int]] = {}  # check mode: a layer's (id of its state) blocks holding values not stored
 
@@ -57,14 +61,23 @@ def close_channel() -> None:
     os.environ.pop(CHANNEL_ENV, None)
 
 
+def join(vllm_config: Any) -> None:
+    """Where an engine's scheduler or attention layers are made: the engines of data parallelism inherit one channel
+    (the config check ran once, before they started), each uses a folder of its own in it, by its rank."""
+    _engine[0] = f"dp{int(getattr(vllm_config.parallel_config, 'data_parallel_rank', 0) or 0)}"
+
+
 def _channel() -> Path | None:
     path = os.environ.get(CHANNEL_ENV)
-    return Path(path) if path else None
+    return Path(path) / _engine[0] if path else None
 
 
 def listen() -> None:
     """Called by the scheduler: reported blocks are refused from now on, not raised."""
-    channel = _channel() or Path(name_channel())  # in-process engines whose config check ran elsewhere
+    if CHANNEL_ENV not in os.environ:  # the scheduler class named by hand, with no config check: one of its own
+        name_channel()
+    channel = _channel()
+    assert channel is not None
     channel.mkdir(parents=True, exist_ok=True)
     for name in ("reports", "releases"):
         (channel / name).touch()
@@ -79,6 +92,8 @@ def stop() -> None:
     channel = _channel()
     if channel is not None:
         shutil.rmtree(channel, ignore_errors=True)
+        with contextlib.suppress(OSError):  # the last engine of the channel takes its folder too
+            channel.parent.rmdir()
     with _lock:
         _read.clear()
         _unstored.clear()

@@ -30,6 +30,7 @@ class _Refusing:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        refusals.join(self.vllm_config)  # type: ignore[attr-defined]
         refusals.listen()
 
     def shutdown(self) -> None:

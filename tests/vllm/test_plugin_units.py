@@ -457,7 +457,7 @@ def test_the_refusing_scheduler_goes_wherever_the_user_named_no_scheduler(monkey
     assert refusals.CHANNEL_ENV not in os.environ  # nobody would read a report: the write raises
 
 
-def _report_in_another_process(channel: str, layer_blocks: list[int]) -> None:
+def _report_in_another_process(channel: str, layer_blocks: list[int], saw: Path) -> None:
     """A worker of its own process: a report, then the releases the scheduler wrote back, applied to a stand-in
     store whose releases are written down."""
     from glyd_engine.vllm_plugin import refusals, state
@@ -474,10 +474,11 @@ def _report_in_another_process(channel: str, layer_blocks: list[int]) -> None:
         refusals.apply_releases()
         time.sleep(0.01)
     refusals.apply_releases()  # a release is applied once
-    Path(channel, "worker-saw").write_text(json.dumps(released))
+    saw.write_text(json.dumps(released))
 
 
-def test_a_worker_in_another_process_reports_and_applies_the_releases(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_worker_in_another_process_reports_and_applies_the_releases(monkeypatch: pytest.MonkeyPatch,
+                                                                     tmp_path: Path) -> None:
     import multiprocessing
 
     from glyd_engine.format.kv_page import OverflowRoomError
@@ -492,7 +493,7 @@ def test_a_worker_in_another_process_reports_and_applies_the_releases(monkeypatc
     refusals.listen()
     try:
         worker = multiprocessing.get_context("spawn").Process(target=_report_in_another_process,
-                                                              args=(channel, [33, 34, 70]))
+                                                              args=(channel, [33, 34, 70], tmp_path / "saw"))
         worker.start()
         deadline = time.monotonic() + 60
         got: dict = {}
@@ -504,7 +505,7 @@ def test_a_worker_in_another_process_reports_and_applies_the_releases(monkeypatc
         worker.join(60)
         assert worker.exitcode == 0
         # blocks 2 and 4 of the scheduler's 16 tokens are tiles 4, 5 and 8, 9 of the pages' 16-token blocks
-        assert json.loads(Path(channel, "worker-saw").read_text()) == [[4, 5, 8, 9]]
+        assert json.loads((tmp_path / "saw").read_text()) == [[4, 5, 8, 9]]
     finally:
         refusals.stop()
     assert not Path(channel).exists() and not refusals.listening()
@@ -524,3 +525,30 @@ def test_the_check_forgets_a_block_written_again_from_its_first_token(monkeypatc
     finally:
         refusals.stop()
     assert refusals.unstored_blocks(7) == set()
+
+
+def test_engines_of_data_parallelism_keep_their_reports_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every engine core of data parallelism inherits the one channel the config check named: a report of rank 1's
+    workers must not refuse rank 0's requests (their block numbers mean other blocks)."""
+    from glyd_engine.vllm_plugin import refusals
+
+    monkeypatch.delenv(refusals.CHANNEL_ENV, raising=False)
+    refusals.name_channel()
+
+    def rank(r: int) -> None:
+        refusals.join(SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_rank=r)))
+
+    try:
+        for r in (0, 1):
+            rank(r)
+            refusals.listen()
+        refusals.report(torch.tensor([33]), 16, "rank 1's")
+        rank(0)
+        assert refusals.take() == {}
+        rank(1)
+        assert refusals.take() == {(2, 16): "rank 1's"}
+    finally:
+        for r in (0, 1):
+            rank(r)
+            refusals.stop()
+        rank(0)
