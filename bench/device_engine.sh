@@ -12,7 +12,7 @@
 #                  greedy tokens bit for bit; ONLY=weights-exact,weights-lossless: its Glyd checkpoint in both weights
 #                  modes against the bf16 model; each set about 400 s)
 #   STEPS="kernels app"   (tests/kernels, the GPU table build, glyd-chat and glyd serve on the GPU; the staging's EXTRA
-#                          files carry the server's wheels: bench/serve_deps.py names what is missing)
+#                          files carry the server's wheels, bench/serve_requirements.txt; serve_deps.py names the rest)
 # Use: bash bench/device_engine.sh
 cd "$(dirname "$0")/.." || exit 2
 source bench/device_setup.sh >"$OUT/setup.log" 2>&1 || { tail -30 "$OUT/setup.log"; exit 4; }

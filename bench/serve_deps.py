@@ -1,4 +1,5 @@
-"""Which modules vLLM's OpenAI server imports that this Python lacks, all in one go (the GPU machine's slim vLLM
+"""Which modules vLLM's OpenAI server imports that this Python lacks (its module, then those its app's routers and
+middleware import while the app is built), all in one go (the GPU machine's slim vLLM
 leaves some out; each is then carried as a wheel: bench/device_setup.sh). Exit status 1 when any is missing.
 Use: python3 bench/serve_deps.py"""
 
@@ -20,11 +21,22 @@ class _Stand(types.ModuleType):
         return mock.MagicMock(name=f"{self.__name__}.{name}")
 
 
+def _build_app() -> None:
+    """The server's app, with `vllm serve`'s default arguments: its routers import more (orjson, the SageMaker and
+    Prometheus middleware) than the server's module does."""
+    from vllm.entrypoints.launchers.app import build_app
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    build_app(make_arg_parser(FlexibleArgumentParser()).parse_args([]), ("generate",))
+
+
 def main() -> int:
     missing: list[str] = []
     for _ in range(40):
         try:
             importlib.import_module("vllm.entrypoints.openai.api_server")
+            _build_app()
             break
         except ModuleNotFoundError as e:
             if not e.name or e.name in missing:
