@@ -78,7 +78,7 @@ class GlydAttentionImpl(CPUAttentionBackendImpl):
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         if self.attn_type != AttentionType.DECODER:
             return
-        refusals.apply_releases()  # the overflow of requests the scheduler refused, before any block is reused
+        state.apply_releases()  # the overflow of requests the scheduler refused, before any block is reused
         st = self._state(layer, kv_cache)
         n = slot_mapping.shape[0]
         key, value = key[:n], value[:n]

@@ -100,7 +100,7 @@ class GlydGPUMetadataBuilder(AttentionMetadataBuilder[GlydGPUMetadata]):
               fast_build: bool = False) -> GlydGPUMetadata:
         from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
-        refusals.apply_releases()  # host code of every step, graph replays too: before any freed block is reused
+        state.apply_releases()  # host code of every step, graph replays too: before any freed block is reused
         m = common_attn_metadata
         num_decodes, _, decode_tokens, _ = split_decodes_and_prefills(m, decode_threshold=1)
         if decode_tokens != num_decodes or self._exact:  # exact: every sequence through FlashAttention

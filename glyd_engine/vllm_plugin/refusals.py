@@ -6,7 +6,7 @@ store (`kv_page.write_by_block`). The worker appends their blocks to the channel
 config check names in GLYD_REFUSAL_CHANNEL before vLLM starts its processes, so that the engine core and every worker
 inherit it. After each step the scheduler (`scheduler.py`) reads them, finishes every request holding such a block
 with an error, evicts those blocks from the prefix cache, and appends the freed blocks to `releases`; each worker
-gives their overflow runs back before its next step writes (`apply_releases`). One path, whether the worker shares
+gives their overflow runs back before its next step writes (`state.apply_releases`). One path, whether the worker shares
 the scheduler's process (one GPU; the CPU build with its engine core in-process) or runs in a process of its own
 (the CPU build's `vllm serve`, several workers). The engines of data parallelism share the channel's name, each
 with a folder of its own in it (`join`).
@@ -64,7 +64,8 @@ def close_channel() -> None:
 def join(vllm_config: Any) -> None:
     """Where an engine's scheduler or attention layers are made: the engines of data parallelism inherit one channel
     (the config check ran once, before they started), each uses a folder of its own in it, by its rank."""
-    _engine[0] = f"dp{int(getattr(vllm_config.parallel_config, 'data_parallel_rank', 0) or 0)}"
+    rank = getattr(vllm_config.parallel_config, "data_parallel_rank", 0)
+    _engine[0] = f"dp{rank if isinstance(rank, int) else 0}"
 
 
 def _channel() -> Path | None:
@@ -170,15 +171,13 @@ def release(blocks: set[int], block_size: int) -> None:
         _append(channel / "releases", {"blocks": sorted(blocks), "size": block_size})
 
 
-def apply_releases() -> None:
-    """A worker, before a step writes: the releases the scheduler wrote since (a stat when there are none)."""
+def releases() -> list[tuple[set[int], int]]:
+    """A worker, before a step writes: the releases the scheduler wrote since, (blocks, block size) each (a stat when
+    there are none); `state.apply_releases` gives their overflow back."""
     channel = _channel()
     if channel is None:
-        return
-    from glyd_engine.vllm_plugin import state
-
-    for entry in _new_lines(channel / "releases"):
-        state.release_overflow({int(b) for b in entry["blocks"]}, int(entry["size"]))
+        return []
+    return [({int(b) for b in e["blocks"]}, int(e["size"])) for e in _new_lines(channel / "releases")]
 
 
 def restarted(layer: int, slots: torch.Tensor, block_size: int) -> None:

@@ -185,6 +185,15 @@ def after_write(st: LayerState, slots: torch.Tensor, lost: torch.Tensor) -> None
         refusals.report(lost, b, why, layer)
 
 
+def apply_releases() -> None:
+    """Before a step writes: the overflow of the blocks the scheduler freed when it refused their requests
+    (refusals.py), given back before any of those blocks is reused."""
+    from glyd_engine.vllm_plugin import refusals
+
+    for blocks, block_size in refusals.releases():
+        release_overflow(blocks, block_size)
+
+
 def release_overflow(blocks: set[int], block_size: int) -> None:
     """The scheduler freed these blocks' requests and evicted them: give their overflow runs back now (each layer's
     store), not when vLLM next reuses them, so that the arena has room again for the requests that follow."""

@@ -457,6 +457,12 @@ def test_the_refusing_scheduler_goes_wherever_the_user_named_no_scheduler(monkey
     assert refusals.CHANNEL_ENV not in os.environ  # nobody would read a report: the write raises
 
 
+def _join_rank(rank: int) -> None:
+    from glyd_engine.vllm_plugin import refusals
+
+    refusals.join(SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_rank=rank)))
+
+
 def _report_in_another_process(channel: str, layer_blocks: list[int], saw: Path) -> None:
     """A worker of its own process: a report, then the releases the scheduler wrote back, applied to a stand-in
     store whose releases are written down."""
@@ -471,9 +477,9 @@ def _report_in_another_process(channel: str, layer_blocks: list[int], saw: Path)
     state.LAYERS["w"] = SimpleNamespace(codec=SimpleNamespace(layout=layout), overflow=store)
     deadline = time.monotonic() + 60
     while not released and time.monotonic() < deadline:
-        refusals.apply_releases()
+        state.apply_releases()
         time.sleep(0.01)
-    refusals.apply_releases()  # a release is applied once
+    state.apply_releases()  # a release is applied once
     saw.write_text(json.dumps(released))
 
 
@@ -485,6 +491,7 @@ def test_a_worker_in_another_process_reports_and_applies_the_releases(monkeypatc
     from glyd_engine.vllm_plugin import refusals
 
     monkeypatch.delenv(refusals.CHANNEL_ENV, raising=False)
+    _join_rank(0)  # as the worker does (an earlier test's engine config may have named another rank)
     with pytest.raises(OverflowRoomError, match="GLYD_KV_ARENA_MB"):  # no scheduler to refuse: the engine stops
         refusals.report(torch.tensor([33]), 16, "a test")
     channel = refusals.name_channel()
@@ -515,6 +522,7 @@ def test_the_check_forgets_a_block_written_again_from_its_first_token(monkeypatc
     from glyd_engine.vllm_plugin import refusals
 
     monkeypatch.delenv(refusals.CHANNEL_ENV, raising=False)
+    _join_rank(0)
     refusals.name_channel()
     refusals.listen()
     try:
@@ -534,10 +542,7 @@ def test_engines_of_data_parallelism_keep_their_reports_apart(monkeypatch: pytes
 
     monkeypatch.delenv(refusals.CHANNEL_ENV, raising=False)
     refusals.name_channel()
-
-    def rank(r: int) -> None:
-        refusals.join(SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_rank=r)))
-
+    rank = _join_rank
     try:
         for r in (0, 1):
             rank(r)
