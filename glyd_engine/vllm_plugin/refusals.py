@@ -2,21 +2,20 @@
 the scheduler gives the freed blocks' overflow back to the writer.
 
 A page write whose escapes find no overflow room stores the rest of the step and hands back the slots it could not
-store (`kv_page.write_by_block`). The worker appends their blocks to the channel's `reports`, a folder the plugin's
-config check names in GLYD_REFUSAL_CHANNEL before vLLM starts its processes, so that the engine core and every worker
-inherit it. After each step the scheduler (`scheduler.py`) reads them, finishes every request holding such a block
-with an error, evicts those blocks from the prefix cache, and appends the freed blocks to `releases`; each worker
-gives their overflow runs back before its next step writes (`state.apply_releases`). One path, whether the worker shares
-the scheduler's process (one GPU; the CPU build with its engine core in-process) or runs in a process of its own
-(the CPU build's `vllm serve`, several workers). The engines of data parallelism share the channel's name, each
-with a folder of its own in it (`join`).
+store (`kv_page.write_by_block`). The worker appends their blocks to `reports` in the engine's channel, a folder the
+plugin's config check names in GLYD_REFUSAL_CHANNEL before vLLM starts its processes, so that the engine core and
+every worker inherit it (each engine of data parallelism has a folder of its own in it: `channel_of`). After each
+step the scheduler (`scheduler.py`) reads them, finishes every request holding such a block with an error, evicts
+those blocks from the prefix cache, and appends the freed blocks to `releases`; each worker gives their overflow
+runs back before its next step writes (`state.apply_releases`). One path, whether the worker shares the
+scheduler's process (one GPU, glyd-chat) or runs in a process of its own (the CPU build's `vllm serve`, several
+workers on one machine). Workers under Ray or on other nodes inherit no such folder: there the write raises.
 
 Order: a worker reports inside the step, before it returns (the CUDA writer's lost slots are read on the host; another
 rank reports before the collective that the output rank waits on), so the scheduler's update for that step finds
 the report. A freed block returns to vLLM's pool only in that update, so a step that reuses it starts after the
 release was written, and its worker applies the release before writing. Where no scheduler listens (the user named
-their own: the channel's folder does not exist), the write raises instead, naming the way out; the engine stops,
-and nothing wrong is ever served.
+their own, or Ray), the write raises instead, naming the way out; the engine stops, and nothing wrong is ever served.
 """
 
 from __future__ import annotations
@@ -43,7 +42,7 @@ HINT = ("set a larger GLYD_KV_ARENA_MB (or additional_config glyd.arena_mb), low
         "the GPU room beside vLLM's budget, or run with GLYD_KV=off")
 
 _lock = threading.Lock()
-_engine = ["dp0"]  # this process's engine's folder in the channel
+_worker_channel: list[Path | None] = [None]  # this process's attention layers' engine's folder, fixed when made
 _read: dict[str, int] = {}  # a channel file's path -> how far this process has read it
 _unstored: dict[int, set[int]] = {}  # check mode: a layer's (id of its state) blocks holding values not stored
 
@@ -61,47 +60,58 @@ def close_channel() -> None:
     os.environ.pop(CHANNEL_ENV, None)
 
 
-def join(vllm_config: Any) -> None:
-    """Where an engine's scheduler or attention layers are made: the engines of data parallelism inherit one channel
-    (the config check ran once, before they started), each uses a folder of its own in it, by its rank."""
-    rank = getattr(vllm_config.parallel_config, "data_parallel_rank", 0)
-    _engine[0] = f"dp{rank if isinstance(rank, int) else 0}"
-
-
-def _channel() -> Path | None:
+def channel_of(vllm_config: Any) -> Path | None:
+    """The engine's folder: the channel its processes inherited, and in it one folder an engine of data parallelism
+    (they inherit one name; `data_parallel_index` is each one's rank, where vLLM resets `data_parallel_rank` to 0 for
+    engines that run independently)."""
     path = os.environ.get(CHANNEL_ENV)
-    return Path(path) / _engine[0] if path else None
+    if not path:
+        return None
+    pc = vllm_config.parallel_config
+    rank = getattr(pc, "data_parallel_index", None)
+    if not isinstance(rank, int):
+        rank = getattr(pc, "data_parallel_rank", 0)
+    return Path(path) / f"dp{rank if isinstance(rank, int) else 0}"
 
 
-def listen() -> None:
-    """Called by the scheduler: reported blocks are refused from now on, not raised."""
+def join(vllm_config: Any) -> None:
+    """Where a worker makes its attention layers: their reports and releases use this engine's folder from now on,
+    even if a later config check names another channel."""
+    _worker_channel[0] = channel_of(vllm_config)
+
+
+def listen(vllm_config: Any) -> Path:
+    """Called by the scheduler: reported blocks are refused from now on, not raised. Its folder, for `take`,
+    `release` and `stop`."""
     if CHANNEL_ENV not in os.environ:  # the scheduler class named by hand, with no config check: one of its own
         name_channel()
-    channel = _channel()
+    channel = channel_of(vllm_config)
     assert channel is not None
-    channel.mkdir(parents=True, exist_ok=True)
+    channel.mkdir(mode=0o700, parents=True, exist_ok=True)
     for name in ("reports", "releases"):
-        (channel / name).touch()
+        (channel / name).touch(mode=0o600)
+    if _worker_channel[0] is None:  # this process's workers were made without a channel to join
+        _worker_channel[0] = channel
     with _lock:
-        _read.clear()
-        _unstored.clear()
+        for name in ("reports", "releases"):
+            _read.pop(str(channel / name), None)
+    return channel
 
 
-def stop() -> None:
-    """The scheduler shut down: its channel goes, and a later engine of this process raises unless its own
-    scheduler listens."""
-    channel = _channel()
-    if channel is not None:
-        shutil.rmtree(channel, ignore_errors=True)
-        with contextlib.suppress(OSError):  # the last engine of the channel takes its folder too
-            channel.parent.rmdir()
+def stop(channel: Path) -> None:
+    """The scheduler shut down: its folder goes, and its workers' writes raise from now on."""
+    shutil.rmtree(channel, ignore_errors=True)
+    with contextlib.suppress(OSError):  # the last engine of the channel takes its folder too
+        channel.parent.rmdir()
     with _lock:
-        _read.clear()
-        _unstored.clear()
+        for name in ("reports", "releases"):
+            _read.pop(str(channel / name), None)
+        if _worker_channel[0] == channel:
+            _unstored.clear()
 
 
 def listening() -> bool:
-    channel = _channel()
+    channel = _worker_channel[0]
     return channel is not None and channel.is_dir()
 
 
@@ -139,7 +149,7 @@ def report(lost: torch.Tensor, block_size: int, why: str, layer: int | None = No
     blocks = sorted(set((lost.to(torch.int64) // block_size).tolist()))
     message = (f"Glyd KV cache: {len(lost)} tokens' values in {len(blocks)} blocks found no room in the overflow "
                f"arena ({why}): their values are far rarer than the model's KV tables expect")
-    channel = _channel()
+    channel = _worker_channel[0]
     if channel is None or not channel.is_dir():
         raise OverflowRoomError(f"{message}; {HINT}")
     if layer is not None:
@@ -152,29 +162,27 @@ def report(lost: torch.Tensor, block_size: int, why: str, layer: int | None = No
     log.error("%s. The requests holding them are refused; %s", message, HINT)
 
 
-def take() -> dict[tuple[int, int], str]:
+def take(channel: Path) -> dict[tuple[int, int], str]:
     """The scheduler: the blocks reported since the last call, (block, block size) -> why."""
-    channel = _channel()
     got: dict[tuple[int, int], str] = {}
-    if channel is not None:
-        for entry in _new_lines(channel / "reports"):
-            for b in entry["blocks"]:
-                got[(int(b), int(entry["size"]))] = str(entry["why"])
+    for entry in _new_lines(channel / "reports"):
+        for b in entry["blocks"]:
+            got[(int(b), int(entry["size"]))] = str(entry["why"])
     return got
 
 
-def release(blocks: set[int], block_size: int) -> None:
+def release(channel: Path, blocks: set[int], block_size: int) -> None:
     """The scheduler freed these blocks' requests and evicted them: every worker gives their overflow runs back
     before its next step writes, so that the arena has room again for the requests that follow."""
-    channel = _channel()
-    if blocks and channel is not None:
-        _append(channel / "releases", {"blocks": sorted(blocks), "size": block_size})
+    if blocks:
+        with contextlib.suppress(FileNotFoundError):  # shut down meanwhile: the workers write nothing more
+            _append(channel / "releases", {"blocks": sorted(blocks), "size": block_size})
 
 
 def releases() -> list[tuple[set[int], int]]:
     """A worker, before a step writes: the releases the scheduler wrote since, (blocks, block size) each (a stat when
     there are none); `state.apply_releases` gives their overflow back."""
-    channel = _channel()
+    channel = _worker_channel[0]
     if channel is None:
         return []
     return [({int(b) for b in e["blocks"]}, int(e["size"])) for e in _new_lines(channel / "releases")]

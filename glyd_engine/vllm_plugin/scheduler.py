@@ -11,6 +11,7 @@ named a scheduler of their own.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -30,16 +31,15 @@ class _Refusing:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        refusals.join(self.vllm_config)  # type: ignore[attr-defined]
-        refusals.listen()
+        self._channel = refusals.listen(self.vllm_config)  # type: ignore[attr-defined]
 
     def shutdown(self) -> None:
-        refusals.stop()  # a later engine of this process may have no scheduler listening
+        refusals.stop(self._channel)
         super().shutdown()  # type: ignore[misc]
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> dict[int, Any]:
         sched: Any = self
-        refused = refusals.take()
+        refused = refusals.take(self._channel)
         if not refused:
             return super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
         bad: dict[int, str] = {}
@@ -57,7 +57,7 @@ class _Refusing:
         sched.kv_cache_manager.evict_blocks(owned | set(bad))
         finished = sched.finish_requests(whys, RequestStatus.FINISHED_ERROR)
         # only blocks this call freed: another free block may already be another request's, written from token 0
-        refusals.release(owned, sched.block_size)
+        refusals.release(self._channel, owned, sched.block_size)
         out = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
         for request in finished:
             log.error("Glyd KV cache: request %s refused (%s)", request.request_id, whys[request.request_id])
@@ -91,6 +91,11 @@ def install(vllm_config: Any) -> str | None:
     if sc.scheduler_cls not in (None, QUALNAME):
         refusals.close_channel()
         return f"the engine names its own scheduler ({sc.scheduler_cls})"
+    pc = vllm_config.parallel_config
+    if pc.distributed_executor_backend == "ray" or getattr(pc, "nnodes", 1) > 1:  # no shared folder reaches them
+        refusals.close_channel()
+        return "the workers run under Ray or on several nodes"
+    if sc.scheduler_cls != QUALNAME or refusals.CHANNEL_ENV not in os.environ:  # a config copied: its channel stays
+        refusals.name_channel()
     sc.scheduler_cls = QUALNAME
-    refusals.name_channel()
     return None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -439,28 +440,41 @@ def test_a_ranks_kv_heads_follow_vllms_split() -> None:
         kv_heads_of_rank(3, 2, 0)
 
 
-def test_the_refusing_scheduler_goes_wherever_the_user_named_no_scheduler(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def no_channel(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """No refusal channel named, and none left behind: the process's environment and its workers' folder restored."""
+    from glyd_engine.vllm_plugin import refusals
+
+    monkeypatch.setenv(refusals.CHANNEL_ENV, "")  # recorded, so that the test's channel is unset afterwards
+    monkeypatch.delenv(refusals.CHANNEL_ENV)
+    before = refusals._worker_channel[0]
+    refusals._worker_channel[0] = None
+    yield
+    refusals._worker_channel[0] = before
+
+
+def _engine_config(executor: str = "uni", cls: object = None, dp_index: int = 0) -> SimpleNamespace:
+    return SimpleNamespace(scheduler_config=SimpleNamespace(scheduler_cls=cls),
+                           parallel_config=SimpleNamespace(distributed_executor_backend=executor, nnodes=1,
+                                                           data_parallel_index=dp_index, data_parallel_rank=0))
+
+
+def test_the_refusing_scheduler_goes_wherever_a_shared_folder_reaches_the_workers(no_channel: None) -> None:
     pytest.importorskip("vllm")
     from glyd_engine.vllm_plugin import refusals, scheduler
 
-    def cfg(executor: str, cls: object = None) -> SimpleNamespace:
-        return SimpleNamespace(scheduler_config=SimpleNamespace(scheduler_cls=cls),
-                               parallel_config=SimpleNamespace(distributed_executor_backend=executor))
-
-    monkeypatch.delenv(refusals.CHANNEL_ENV, raising=False)
+    names = []
     for executor in ("uni", "mp"):  # a worker of its own process reports through the channel it inherits
-        c = cfg(executor)
+        c = _engine_config(executor)
         assert scheduler.install(c) is None and c.scheduler_config.scheduler_cls == scheduler.QUALNAME
-        assert refusals.CHANNEL_ENV in os.environ and not Path(os.environ[refusals.CHANNEL_ENV]).exists()
-    theirs = cfg("uni", "my.Scheduler")
+        names.append(os.environ[refusals.CHANNEL_ENV])
+        assert not Path(names[-1]).exists()  # made when a scheduler listens
+        assert scheduler.install(c) is None and os.environ[refusals.CHANNEL_ENV] == names[-1]  # a copy keeps it
+    assert names[0] != names[1]  # each engine's config its own
+    theirs = _engine_config("uni", "my.Scheduler")
     assert "its own scheduler" in scheduler.install(theirs) and theirs.scheduler_config.scheduler_cls == "my.Scheduler"
     assert refusals.CHANNEL_ENV not in os.environ  # nobody would read a report: the write raises
-
-
-def _join_rank(rank: int) -> None:
-    from glyd_engine.vllm_plugin import refusals
-
-    refusals.join(SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_rank=rank)))
+    assert "Ray" in scheduler.install(_engine_config("ray")) and refusals.CHANNEL_ENV not in os.environ
 
 
 def _report_in_another_process(channel: str, layer_blocks: list[int], saw: Path) -> None:
@@ -469,6 +483,7 @@ def _report_in_another_process(channel: str, layer_blocks: list[int], saw: Path)
     from glyd_engine.vllm_plugin import refusals, state
 
     os.environ[refusals.CHANNEL_ENV] = channel
+    refusals.join(_engine_config())  # as its attention layers do when they are made
     refusals.report(torch.tensor(layer_blocks), 16, "a test", layer=3)
     assert refusals.unstored_blocks(3) == {b // 16 for b in layer_blocks}  # the check's record stays in the worker
     released: list[list[int]] = []
@@ -483,77 +498,81 @@ def _report_in_another_process(channel: str, layer_blocks: list[int], saw: Path)
     saw.write_text(json.dumps(released))
 
 
-def test_a_worker_in_another_process_reports_and_applies_the_releases(monkeypatch: pytest.MonkeyPatch,
-                                                                     tmp_path: Path) -> None:
+def test_a_worker_in_another_process_reports_and_applies_the_releases(no_channel: None, tmp_path: Path) -> None:
     import multiprocessing
 
     from glyd_engine.format.kv_page import OverflowRoomError
     from glyd_engine.vllm_plugin import refusals
 
-    monkeypatch.delenv(refusals.CHANNEL_ENV, raising=False)
-    _join_rank(0)  # as the worker does (an earlier test's engine config may have named another rank)
     with pytest.raises(OverflowRoomError, match="GLYD_KV_ARENA_MB"):  # no scheduler to refuse: the engine stops
         refusals.report(torch.tensor([33]), 16, "a test")
-    channel = refusals.name_channel()
+    name = refusals.name_channel()
+    refusals.join(_engine_config())
     with pytest.raises(OverflowRoomError):  # named, but no scheduler listens yet
         refusals.report(torch.tensor([33]), 16, "a test")
-    refusals.listen()
+    channel = refusals.listen(_engine_config())
     try:
         worker = multiprocessing.get_context("spawn").Process(target=_report_in_another_process,
-                                                              args=(channel, [33, 34, 70], tmp_path / "saw"))
+                                                              args=(name, [33, 34, 70], tmp_path / "saw"))
         worker.start()
         deadline = time.monotonic() + 60
         got: dict = {}
         while not got and time.monotonic() < deadline:
-            got = refusals.take()
+            got = refusals.take(channel)
             time.sleep(0.01)
-        assert got == {(2, 16): "a test", (4, 16): "a test"} and refusals.take() == {}
-        refusals.release({2, 4}, 16)
+        assert got == {(2, 16): "a test", (4, 16): "a test"} and refusals.take(channel) == {}
+        refusals.release(channel, {2, 4}, 16)
         worker.join(60)
         assert worker.exitcode == 0
         # blocks 2 and 4 of the scheduler's 16 tokens are tiles 4, 5 and 8, 9 of the pages' 16-token blocks
         assert json.loads((tmp_path / "saw").read_text()) == [[4, 5, 8, 9]]
     finally:
-        refusals.stop()
-    assert not Path(channel).exists() and not refusals.listening()
+        refusals.stop(channel)
+    assert not Path(name).exists() and not refusals.listening()
+    refusals.release(channel, {2}, 16)  # after the shutdown: nothing to tell, no error
 
 
-def test_the_check_forgets_a_block_written_again_from_its_first_token(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_check_forgets_a_block_written_again_from_its_first_token(no_channel: None) -> None:
     from glyd_engine.vllm_plugin import refusals
 
-    monkeypatch.delenv(refusals.CHANNEL_ENV, raising=False)
-    _join_rank(0)
     refusals.name_channel()
-    refusals.listen()
+    channel = refusals.listen(_engine_config())
     try:
         refusals.report(torch.tensor([33, 34, 70]), 16, "a test", layer=7)
         assert refusals.unstored_blocks(7) == {2, 4} and refusals.unstored_blocks(8) == set()
         refusals.restarted(7, torch.tensor([64, 65]), 16)  # block 4 rewritten from token 0
         assert refusals.unstored_blocks(7) == {2}
     finally:
-        refusals.stop()
+        refusals.stop(channel)
     assert refusals.unstored_blocks(7) == set()
 
 
-def test_engines_of_data_parallelism_keep_their_reports_apart(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every engine core of data parallelism inherits the one channel the config check named: a report of rank 1's
-    workers must not refuse rank 0's requests (their block numbers mean other blocks)."""
+def test_engines_of_data_parallelism_keep_their_reports_apart(no_channel: None) -> None:
+    """Every engine core of data parallelism inherits the one channel the config check named, and vLLM resets each
+    one's data_parallel_rank to 0 where they run independently (dense models): a report of rank 1's workers must
+    not refuse rank 0's requests (their block numbers mean other blocks)."""
+    pytest.importorskip("vllm")
+    from vllm.config import ParallelConfig
+
     from glyd_engine.vllm_plugin import refusals
 
-    monkeypatch.delenv(refusals.CHANNEL_ENV, raising=False)
+    def engine(rank: int) -> SimpleNamespace:
+        pc = ParallelConfig(data_parallel_size=2, data_parallel_rank=rank)
+        pc.data_parallel_index = rank  # as vLLM's engine core sets it, before the reset
+        pc.reconfigure_for_independent_dp_rank()
+        assert pc.data_parallel_rank == 0
+        return SimpleNamespace(parallel_config=pc)
+
     refusals.name_channel()
-    rank = _join_rank
+    zero, one = refusals.listen(engine(0)), refusals.listen(engine(1))
     try:
-        for r in (0, 1):
-            rank(r)
-            refusals.listen()
+        assert zero != one
+        refusals.join(engine(1))  # a worker of rank 1
         refusals.report(torch.tensor([33]), 16, "rank 1's")
-        rank(0)
-        assert refusals.take() == {}
-        rank(1)
-        assert refusals.take() == {(2, 16): "rank 1's"}
+        assert refusals.take(zero) == {}
+        assert refusals.take(one) == {(2, 16): "rank 1's"}
     finally:
-        for r in (0, 1):
-            rank(r)
-            refusals.stop()
-        rank(0)
+        refusals.stop(zero)
+        assert one.is_dir()  # rank 1 still runs
+        refusals.stop(one)
+    assert not one.parent.exists()
