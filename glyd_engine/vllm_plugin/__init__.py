@@ -98,6 +98,9 @@ def register() -> None:
             register_backend(name, path)
     assert platform_cls is not None  # missing_hooks() names vllm.platforms when it cannot be imported
     hooks.install(platform_cls)
+    from glyd_engine.vllm_plugin import server_errors
+
+    server_errors.install()  # an API server's clients read why a request was refused
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():

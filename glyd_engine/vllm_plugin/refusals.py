@@ -203,7 +203,11 @@ def unstored_blocks(layer: int) -> set[int]:
         return set(_unstored.get(layer, ()))
 
 
+MESSAGE_START = "Glyd KV cache: this request's keys and values found no room"
+
+
 def message(why: str) -> str:
-    """What a refused request's output says (its `stop_reason`; finish reason `error`)."""
-    return (f"Glyd KV cache: this request's keys and values found no room in the overflow arena ({why}); "
+    """What a refused request's output says (its `stop_reason`; finish reason `error`; server_errors.py gives it to
+    API clients)."""
+    return (f"{MESSAGE_START} in the overflow arena ({why}); "
             f"they are far rarer than the model's KV tables expect. To serve it, {HINT}")

@@ -180,7 +180,7 @@ def after_write(st: LayerState, slots: torch.Tensor, lost: torch.Tensor) -> None
         refusals.restarted(layer, slots, b)
     if lost.numel():
         limit = st.overflow.limit
-        why = (f"a layer's arena is limited to {2 * limit / 1e6:.1f} MB" if limit is not None else
+        why = (f"a layer's arena is limited to {2 * limit / 1e6:.3g} MB" if limit is not None else
                "the device has no memory left for it")
         refusals.report(lost, b, why, layer)
 

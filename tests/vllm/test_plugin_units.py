@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -576,3 +577,41 @@ def test_engines_of_data_parallelism_keep_their_reports_apart(no_channel: None) 
         assert one.is_dir()  # rank 1 still runs
         refusals.stop(one)
     assert not one.parent.exists()
+
+
+def test_an_api_client_reads_the_refusals_own_message(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The front end's generate, wrapped where this process has one: a refused request's last output becomes vLLM's
+    GenerationError carrying the refusal's message (the server's answer to the client); other outputs pass."""
+    import asyncio
+    import types
+
+    pytest.importorskip("vllm")
+    from vllm.exceptions import GenerationError
+
+    from glyd_engine.vllm_plugin import refusals, server_errors
+
+    def output(finish: str | None, reason: object = None) -> SimpleNamespace:
+        return SimpleNamespace(outputs=[SimpleNamespace(finish_reason=finish, stop_reason=reason)])
+
+    class AsyncLLM:  # the front end's shape: an async generator of a request's outputs
+        def __init__(self, outs: list[SimpleNamespace]) -> None:
+            self.outs = outs
+
+        async def generate(self, *args: Any, **kwargs: Any) -> Any:
+            for o in self.outs:
+                yield o
+
+    module = types.ModuleType("vllm.v1.engine.async_llm")
+    module.AsyncLLM = AsyncLLM  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "vllm.v1.engine.async_llm", module)
+    assert server_errors.install() and server_errors.install()  # once: a second call wraps nothing more
+
+    async def run(outs: list[SimpleNamespace]) -> list[SimpleNamespace]:
+        return [o async for o in AsyncLLM(outs).generate("prompt")]
+
+    plain = [output(None), output("length")]
+    assert asyncio.run(run(plain)) == plain
+    assert asyncio.run(run([output(None), output("error", "other")]))[-1].outputs[0].stop_reason == "other"
+    why = refusals.message("a layer's arena is limited to 0.0 MB")
+    with pytest.raises(GenerationError, match="GLYD_KV_ARENA_MB"):
+        asyncio.run(run([output(None), output("error", why)]))

@@ -1,7 +1,8 @@
-"""`glyd serve` as a user runs it: vLLM's OpenAI server with its defaults (compiled, sized by glyd for the
-machine) on the demo model, answered by a real `openai` client; and a Glyd checkpoint under the same
-compiled mode. The server and the checkpoint's engine start together (each compile is mostly one core of
-work), so the module costs about one compiled start.
+"""`glyd serve` as a user runs it: vLLM's OpenAI server with its defaults (compiled, sized by glyd for the machine) on
+the demo model with the lossless KV cache, answered by a real `openai` client, which reads why a request the
+overflow arena cannot hold is refused (the arena limited so that a prompt of rare tokens does not fit, as in
+test_rare_prompts.py); and a Glyd checkpoint under the same compiled mode. The server and the checkpoint's engine
+start together (each compile is mostly one core of work), so the module costs about one compiled start.
 
 In CI the server is the `glyd` of the pipx-style install (`.ci/pipx-install`: a fresh venv, non-editable, nothing
 uninstalled; it names its Python in GLYD_INSTALLED_PYTHON), started outside the clone: an installed glyd starts
@@ -27,6 +28,7 @@ from tests.vllm.conftest import engine
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
 PROMPT_TOKENS = 200
+ARENA_MB = "0.004"  # 2,000 entries a layer: ordinary prompts fit, 400 rare tokens do not (test_rare_prompts.py)
 START_TIMEOUT = 900.0
 INSTALLED = os.environ.get("GLYD_INSTALLED_PYTHON")
 
@@ -45,11 +47,13 @@ def served(demo_model_dir: Path, packed_demo_dir: Path, tmp_path_factory: pytest
     log = where / "serve.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "GLYD_KV")) and k != "PYTHONPATH"}
     env["GLYD_HOME"] = str(TEST_HOME)
+    env["GLYD_KV_ARENA_MB"] = ARENA_MB
     python = Path(INSTALLED or sys.executable)
     package = subprocess.run([str(python), "-c", "import glyd_engine; print(glyd_engine.__file__)"], cwd=where,
                              env=env, capture_output=True, text=True, timeout=60, check=True).stdout.strip()
     with open(log, "wb") as out:
-        proc = subprocess.Popen([str(python.with_name("glyd")), "serve", "demo", "--port", str(port), "--kv", "auto"],
+        proc = subprocess.Popen([str(python.with_name("glyd")), "serve", "demo", "--port", str(port),
+                                 "--kv", "lossless"],
                                 cwd=where, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         # the Glyd checkpoint in vLLM's default (compiled) mode, while the server compiles beside it
@@ -93,6 +97,7 @@ def test_glyd_serve_demo_answers_a_streamed_chat_with_its_defaults(served: dict[
     log = served["log"].read_text(errors="replace")
     assert "--host 127.0.0.1" in log and "--kv-cache-memory-bytes" in log
     assert "enforce_eager=False" in log and "DYNAMO_TRACE_ONCE" in log
+    assert "Glyd KV cache: lossless" in log
     cores = len(os.sched_getaffinity(0))
     if cores <= 4:  # glyd reserves no core for vLLM's scheduler on a small machine
         assert f"core ids={sorted(os.sched_getaffinity(0))}" in log
@@ -121,3 +126,26 @@ def test_a_glyd_checkpoint_serves_compiled_with_the_bf16_models_logprobs(served:
     mean = sum(diffs) / len(diffs)
     print(f"compiled Glyd vs served compiled bf16: mean |d logprob| {mean:.4f}, max {max(diffs):.4f}")
     assert mean < 0.05 and max(diffs) < 0.5, (mean, max(diffs))  # within vLLM's own eager/compiled spread
+
+
+def test_a_request_the_arena_cannot_hold_is_refused_with_its_reason_and_the_server_goes_on(
+        served: dict[str, Any], demo_model_dir: Path) -> None:
+    """400 of the demo model's rarest tokens: their values find no room in the limited arena. The client gets the
+    refusal's own message (why, and what to do; server_errors.py), not vLLM's generic error, streamed or not; the
+    engine core and its worker run in processes of their own, so the refusal crossed them (refusals.py); and the
+    next request is answered."""
+    from glyd_engine.bench.rare_tokens import find_rare_tokens, rare_prompts
+
+    client, model = served["client"], served["model"]
+    rare = rare_prompts([t["id"] for t in find_rare_tokens(demo_model_dir, 64)], 2, 400)
+    with pytest.raises(openai.APIStatusError) as refused:
+        client.completions.create(model=model, prompt=rare[0], max_tokens=4, temperature=0)
+    assert "overflow arena" in str(refused.value) and "GLYD_KV_ARENA_MB" in str(refused.value), refused.value
+    with pytest.raises(openai.APIError) as streamed:  # an error chunk in the stream
+        for _ in client.completions.create(model=model, prompt=rare[1], max_tokens=4, temperature=0, stream=True):
+            pass
+    assert "overflow arena" in str(streamed.value), streamed.value
+    out = client.completions.create(model=model, prompt="The capital of France is", max_tokens=4, temperature=0)
+    assert out.choices[0].finish_reason == "length" and out.choices[0].text, out
+    assert "request" in served["log"].read_text(errors="replace") and "refused" in served["log"].read_text(
+        errors="replace")
