@@ -20,6 +20,7 @@ their own, or Ray), the write raises instead, naming the way out; the engine sto
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import logging
@@ -52,6 +53,8 @@ def name_channel() -> str:
     the scheduler when it starts listening, so that a config that never starts an engine leaves nothing behind)."""
     path = str(Path(tempfile.gettempdir()) / f"glyd-refusals-{os.getpid()}-{uuid.uuid4().hex[:12]}")
     os.environ[CHANNEL_ENV] = path
+    # a server stopped by a signal never shuts its scheduler down: the process that named the folder takes it
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
     return path
 
 

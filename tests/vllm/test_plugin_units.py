@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -615,3 +616,18 @@ def test_an_api_client_reads_the_refusals_own_message(monkeypatch: pytest.Monkey
     why = refusals.message("a layer's arena is limited to 0.0 MB")
     with pytest.raises(GenerationError, match="GLYD_KV_ARENA_MB"):
         asyncio.run(run([output(None), output("error", why)]))
+
+
+def test_the_process_that_named_a_channel_takes_it_when_it_exits(tmp_path: Path) -> None:
+    """A server stopped by a signal never runs its scheduler's shutdown: the folder goes when the process that named
+    it (the server's, or glyd-chat's engine) exits."""
+    import subprocess
+
+    code = ("import os, sys; from types import SimpleNamespace as N; from glyd_engine.vllm_plugin import refusals as r;"
+            "os.environ.pop(r.CHANNEL_ENV, None); name = r.name_channel();"
+            "c = r.listen(N(parallel_config=N(data_parallel_index=0))); print(name); assert c.is_dir()")
+    env = {k: v for k, v in os.environ.items() if k != "GLYD_REFUSAL_CHANNEL"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    name = out.stdout.strip().splitlines()[-1]
+    assert name.startswith(str(Path(tempfile.gettempdir()) / "glyd-refusals-")) and not Path(name).exists()
