@@ -37,8 +37,17 @@ class GlydAttentionBackend(TorchPageFacts, GlydBackendBase, CPUAttentionBackend)
         return GlydAttentionImpl
 
     @staticmethod
-    def get_builder_cls() -> type[CPUAttentionMetadataBuilder]:
-        return CPUAttentionMetadataBuilder
+    def get_builder_cls() -> type[GlydCPUMetadataBuilder]:
+        return GlydCPUMetadataBuilder
+
+
+class GlydCPUMetadataBuilder(CPUAttentionMetadataBuilder):
+    """vLLM's own, once a step before any layer writes: the overflow of the blocks of refused requests goes back
+    first (state.apply_releases), as the GPU builder does."""
+
+    def build(self, *args: Any, **kwargs: Any) -> CPUAttentionMetadata:
+        state.apply_releases()
+        return super().build(*args, **kwargs)
 
 
 class GlydAttentionImpl(CPUAttentionBackendImpl):
@@ -78,7 +87,6 @@ class GlydAttentionImpl(CPUAttentionBackendImpl):
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         if self.attn_type != AttentionType.DECODER:
             return
-        state.apply_releases()  # the overflow of requests the scheduler refused, before any block is reused
         st = self._state(layer, kv_cache)
         n = slot_mapping.shape[0]
         key, value = key[:n], value[:n]

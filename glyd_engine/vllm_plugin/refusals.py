@@ -113,11 +113,6 @@ def stop(channel: Path) -> None:
             _unstored.clear()
 
 
-def listening() -> bool:
-    channel = _worker_channel[0]
-    return channel is not None and channel.is_dir()
-
-
 def _append(path: Path, entry: dict) -> None:
     """One line in one write: appends of several processes never interleave within it."""
     fd = os.open(path, os.O_WRONLY | os.O_APPEND)

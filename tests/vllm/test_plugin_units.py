@@ -530,7 +530,9 @@ def test_a_worker_in_another_process_reports_and_applies_the_releases(no_channel
         assert json.loads((tmp_path / "saw").read_text()) == [[4, 5, 8, 9]]
     finally:
         refusals.stop(channel)
-    assert not Path(name).exists() and not refusals.listening()
+    assert not Path(name).exists()
+    with pytest.raises(OverflowRoomError):  # its workers' writes raise from now on
+        refusals.report(torch.tensor([33]), 16, "a test")
     refusals.release(channel, {2}, 16)  # after the shutdown: nothing to tell, no error
 
 
@@ -618,15 +620,17 @@ def test_an_api_client_reads_the_refusals_own_message(monkeypatch: pytest.Monkey
         asyncio.run(run([output(None), output("error", why)]))
 
 
-def test_the_process_that_named_a_channel_takes_it_when_it_exits(tmp_path: Path) -> None:
+def test_the_process_that_named_a_channel_takes_it_when_it_exits() -> None:
     """A server stopped by a signal never runs its scheduler's shutdown: the folder goes when the process that named
     it (the server's, or glyd-chat's engine) exits."""
     import subprocess
 
+    from glyd_engine.vllm_plugin import refusals
+
     code = ("import os, sys; from types import SimpleNamespace as N; from glyd_engine.vllm_plugin import refusals as r;"
             "os.environ.pop(r.CHANNEL_ENV, None); name = r.name_channel();"
             "c = r.listen(N(parallel_config=N(data_parallel_index=0))); print(name); assert c.is_dir()")
-    env = {k: v for k, v in os.environ.items() if k != "GLYD_REFUSAL_CHANNEL"}
+    env = {k: v for k, v in os.environ.items() if k != refusals.CHANNEL_ENV}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr
     name = out.stdout.strip().splitlines()[-1]
