@@ -1,13 +1,12 @@
-"""Rare prompts, CI-sized: prompts made of the demo model's least-trained tokens (glyd_engine.bench.rare_tokens)
-served beside ordinary ones by the real engine, lossless, with the read-back check on (every value a forward reads is
+"""Rare prompts, CI-sized: prompts made of the demo model's least-trained tokens (glyd_engine.bench.rare_tokens) served
+beside ordinary ones by the real engine, lossless, with the read-back check on (every value a forward reads is
 compared bit for bit with a bf16 shadow of what was written), and the overflow arena limited (GLYD_KV_ARENA_MB) so
 that a short rare prompt fits it and long ones do not. One engine, three phases: the short rare prompt completes
-through the overflow path; the long ones are refused alone; ordinary prompts complete after them. The worker runs in a
-process of its own (vLLM's `mp` executor, as the CPU build's `vllm serve` runs its worker), so its reports and the
+through the overflow path; the long ones are refused alone; ordinary prompts complete after them. The worker runs in
+a process of its own (vLLM's `mp` executor, as the CPU build's `vllm serve` runs its worker), so its reports and the
 scheduler's releases cross processes (refusals.py); the engine core stays in the child (`vllm serve` runs it in one
-more), so the schedule is the same run to run.
-The full-size run
-(40 x ~1,400 + 8 ordinary, off against lossless, no limit) is `glyd bench rare`; docs/benchmarks.md.
+more), so the schedule is the same run to run. The full-size run (40 x ~1,400 + 8 ordinary, off against lossless, no
+limit) is `glyd bench rare`; docs/benchmarks.md.
 """
 
 from __future__ import annotations
