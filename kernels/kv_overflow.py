@@ -61,10 +61,14 @@ def fresh_entries(num_heads: int, head_size: int) -> int:
     return arena_target(0, HEADROOM_TOKENS, num_heads, head_size)
 
 
-def reserve_arena(num_heads: int, head_size: int, device: torch.device) -> torch.Tensor:
+def reserve_arena(num_heads: int, head_size: int, device: torch.device, limit: int | None = None) -> torch.Tensor:
     """A layer's first arena, allocated now: taken while vLLM loads the model, it is held before vLLM's memory
-    profile, which gives the KV cache only what is left (the store adopts it when the cache is bound)."""
-    return torch.zeros(fresh_entries(num_heads, head_size), dtype=torch.int16, device=device)
+    profile, which gives the KV cache only what is left (the store adopts it when the cache is bound). An arena limit
+    (entries) smaller than the usual first arena is the first arena: the limit holds from the first write."""
+    entries = fresh_entries(num_heads, head_size)
+    if limit is not None:
+        entries = min(entries, max(OVERFLOW_MIN_RUN, limit // OVERFLOW_MIN_RUN * OVERFLOW_MIN_RUN))
+    return torch.zeros(entries, dtype=torch.int16, device=device)
 
 
 class ArenaFullError(RuntimeError):
@@ -302,7 +306,7 @@ class DeviceRuns:
             if limit is not None and target > limit:  # as much headroom as the limit leaves, if the write fits
                 if live + extra > limit:
                     raise OverflowRoomError(f"a layer's overflow arena would need {2 * (live + extra) / 1e6:.1f} MB "
-                                            f"({live} entries in runs), past its limit of {2 * limit / 1e6:.1f} MB")
+                                            f"({live} entries in runs), past its limit of {2 * limit / 1e6:.3g} MB")
                 target = max(limit // OVERFLOW_MIN_RUN * OVERFLOW_MIN_RUN, live + extra)
             if -(-target // OVERFLOW_MIN_RUN) > MAX_UNITS:
                 raise MemoryError(f"the Glyd overflow arena would pass {MAX_UNITS * OVERFLOW_MIN_RUN} entries "

@@ -253,6 +253,21 @@ def test_a_store_writes_into_the_arena_it_adopted():
         codec.new_overflow(nb).adopt(torch.zeros(64, dtype=torch.int32))
 
 
+def test_an_arena_limit_below_the_first_arena_is_the_first_arena():
+    """GLYD_KV_ARENA_MB under the usual first arena: the engine reserves the limit (whole runs, at least one), so
+    the limit holds from the first write; a larger limit leaves the usual first arena."""
+    from glyd_kernels import kv_overflow
+
+    h, d = 3, 64
+    fresh = kv_overflow.fresh_entries(h, d)
+    cpu = torch.device("cpu")
+    assert kv_overflow.reserve_arena(h, d, cpu, 2_000).numel() == 2_000
+    assert kv_overflow.reserve_arena(h, d, cpu, 2_005).numel() == 2_000  # whole 8-entry runs
+    assert kv_overflow.reserve_arena(h, d, cpu, 1).numel() == kv_page.OVERFLOW_MIN_RUN
+    assert kv_overflow.reserve_arena(h, d, cpu, 10 * fresh).numel() == fresh
+    assert kv_overflow.reserve_arena(h, d, cpu).numel() == fresh
+
+
 @pytest.mark.parametrize(("h", "d"), [(1, 64), (8, 128), (3, 256)])
 def test_a_fresh_arena_is_what_a_compaction_with_no_live_runs_leaves(h: int, d: int):
     """What the engine reserves a layer is the room the host's bound asks of an empty arena for any decode step of up

@@ -236,7 +236,8 @@ class GlydGPUAttentionImpl(AttentionImpl):
             # may not use, so cache and arena together stay inside gpu_memory_utilization
             if kv_sharing_target_layer_name is None:
                 self._arena = kv_overflow.reserve_arena(self.num_kv_heads, head_size,
-                                                        torch.device("cuda", torch.cuda.current_device()))
+                                                        torch.device("cuda", torch.cuda.current_device()),
+                                                        self.arena_limit)
                 state.note_arena_reserve(self._arena)
             try:
                 from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
@@ -262,7 +263,7 @@ class GlydGPUAttentionImpl(AttentionImpl):
         state.log_arena_reserve()
         self._arena = None
         kv = KVLayer(codec.layout, codec.tops, pages, impl=self.impl, arena=arena if self.impl == "cuda" else None)
-        if self.arena_limit is not None:  # never below the first arena, which vLLM's budget already counts
+        if self.arena_limit is not None:  # the first arena is at most the limit (rounded to whole runs, >= one run)
             kv.overflow.limit = max(self.arena_limit, kv.overflow.arena.numel())
         codec = kv.codec or codec  # the reference path's codec is the one that writes (and counts)
         shadow = None

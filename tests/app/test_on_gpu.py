@@ -4,7 +4,8 @@ Run on the GPU machine (bench/device_setup.sh stages the project and the demo mo
     python3 -m pytest -q -p no:cacheprovider tests/app/test_on_gpu.py
 The app's engine runs the lossless KV cache on the GPU (Glyd's CUDA kernels inside vLLM, its defaults: compiled,
 CUDA graphs); Pilot asks a question, reads the reply and the numbers on screen, switches the KV mode to vLLM's own
-cache and quits, and the engine process is gone. The server answers a real `openai` client, streamed.
+cache and quits, and the engine process is gone. The server answers a real `openai` client, streamed, and refuses a
+prompt its limited overflow arena cannot hold.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from tests.conftest import stop_server
 pytestmark = [pytest.mark.anyio, pytest.mark.slow,
               pytest.mark.skipif(shutil.which("nvidia-smi") is None, reason="needs an NVIDIA GPU")]
 KV_BYTES = 2 << 30
+ARENA_MB = "0.004"  # 2,000 entries a layer (the first arena, at this limit): a chat fits, 800 rare tokens do not
+RARE_TOKENS = 800
 
 
 async def test_app_answers_on_the_gpu_switches_the_kv_mode_and_quits(demo_model_dir: Path, tmp_path: Path) -> None:
@@ -60,8 +63,14 @@ async def test_app_answers_on_the_gpu_switches_the_kv_mode_and_quits(demo_model_
     assert _gone(last_pid)
 
 
-def test_glyd_serve_lossless_answers_a_streamed_chat(demo_model_dir: Path, tmp_path: Path) -> None:
+def test_glyd_serve_lossless_answers_a_streamed_chat_and_refuses_what_its_arena_cannot_hold(
+        demo_model_dir: Path, tmp_path: Path) -> None:
+    """The server on the GPU with its overflow arena limited (GLYD_KV_ARENA_MB, as in tests/vllm/test_serve.py): an
+    ordinary chat is answered, streamed; a prompt of rare tokens is refused with its reason (the CUDA writer names
+    the slots it could not store, the worker tells the scheduler: refusals.py); the next request is answered."""
     openai = pytest.importorskip("openai")
+    from glyd_engine.bench.rare_tokens import find_rare_tokens, rare_prompts
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
@@ -69,6 +78,7 @@ def test_glyd_serve_lossless_answers_a_streamed_chat(demo_model_dir: Path, tmp_p
     # the machine's own vLLM settings stay (a staged vLLM without FlashInfer needs VLLM_USE_FLASHINFER_SAMPLER=0);
     # the test's cache mode and the interpreter do not
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GLYD_KV", "TRITON_INTERPRET"))}
+    env["GLYD_KV_ARENA_MB"] = ARENA_MB
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "glyd_engine.cli", "serve", "--kv", "lossless", "demo",
                                  "--port", str(port), "--gpu-memory-utilization", "0.3"],
@@ -91,5 +101,13 @@ def test_glyd_serve_lossless_answers_a_streamed_chat(demo_model_dir: Path, tmp_p
         assert len(chunks) > 3 and "Paris" in text, text
         text_log = log.read_text(errors="replace")
         assert "Glyd KV cache: lossless" in text_log and "cuda kernels" in text_log, text_log[-3000:]
+
+        rare = rare_prompts([t["id"] for t in find_rare_tokens(demo_model_dir, 64)], 1, RARE_TOKENS)
+        with pytest.raises(openai.APIStatusError) as refused:
+            client.completions.create(model=model, prompt=rare[0], max_tokens=4, temperature=0)
+        assert "overflow arena" in str(refused.value) and "GLYD_KV_ARENA_MB" in str(refused.value), (
+            refused.value, log.read_text(errors="replace")[-4000:])
+        out = client.completions.create(model=model, prompt="The capital of France is", max_tokens=4, temperature=0)
+        assert out.choices[0].finish_reason == "length" and out.choices[0].text, out
     finally:
         stop_server(proc)
