@@ -46,6 +46,7 @@ _lock = threading.Lock()
 _worker_channel: list[Path | None] = [None]  # this process's attention layers' engine's folder, fixed when made
 _read: dict[str, int] = {}  # a channel file's path -> how far this process has read it
 _unstored: dict[int, set[int]] = {}  # check mode: a layer's (id of its state) blocks holding values not stored
+_logged: set[tuple[int, ...]] = set()  # blocks whose refusal this worker logged since its last step began
 
 
 def name_channel() -> str:
@@ -157,7 +158,11 @@ def report(lost: torch.Tensor, block_size: int, why: str, layer: int | None = No
         _append(channel / "reports", {"blocks": blocks, "size": block_size, "why": why})
     except FileNotFoundError as exc:  # the scheduler has shut down
         raise OverflowRoomError(f"{message}; {HINT}") from exc
-    log.error("%s. The requests holding them are refused; %s", message, HINT)
+    with _lock:  # every layer of the step reports the same blocks: one line says it
+        new = tuple(blocks) not in _logged
+        _logged.add(tuple(blocks))
+    if new:
+        log.error("%s. The requests holding them are refused; %s", message, HINT)
 
 
 def take(channel: Path) -> dict[tuple[int, int], str]:
@@ -180,6 +185,8 @@ def release(channel: Path, blocks: set[int], block_size: int) -> None:
 def releases() -> list[tuple[set[int], int]]:
     """A worker, before a step writes: the releases the scheduler wrote since, (blocks, block size) each (a stat when
     there are none); `state.apply_releases` gives their overflow back."""
+    with _lock:  # a new step: blocks reported again belong to other requests
+        _logged.clear()
     channel = _worker_channel[0]
     if channel is None:
         return []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -549,6 +550,29 @@ def test_the_check_forgets_a_block_written_again_from_its_first_token(no_channel
     finally:
         refusals.stop(channel)
     assert refusals.unstored_blocks(7) == set()
+
+
+def test_a_steps_layers_reporting_the_same_blocks_log_one_line(no_channel: None,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    """Every attention layer's write of a refused step reports the same blocks: the log says so once a step, and
+    again in a later step (the blocks may then hold another request)."""
+    from glyd_engine.vllm_plugin import refusals
+
+    refusals.name_channel()
+    refusals.join(_engine_config())
+    channel = refusals.listen(_engine_config())
+    try:
+        with caplog.at_level(logging.ERROR, logger="vllm.glyd"):
+            for _ in range(30):  # the demo model's layers
+                refusals.report(torch.tensor([33, 34]), 16, "a test")
+            refusals.report(torch.tensor([70]), 16, "a test")
+            assert [r.getMessage().count("found no room") for r in caplog.records] == [1, 1]
+            assert refusals.take(channel) == {(2, 16): "a test", (4, 16): "a test"}
+            refusals.releases()  # the worker's next step
+            refusals.report(torch.tensor([33]), 16, "a test")
+            assert len(caplog.records) == 3
+    finally:
+        refusals.stop(channel)
 
 
 def test_engines_of_data_parallelism_keep_their_reports_apart(no_channel: None) -> None:
