@@ -25,8 +25,14 @@ def _build_app() -> None:
     """The server's app, with `vllm serve`'s default arguments: its routers import more (orjson, the SageMaker and
     Prometheus middleware) than the server's module does."""
     from vllm.entrypoints.launchers.app import build_app
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    try:  # vLLM 0.33 (the GPU machine's)
+        from vllm.entrypoints.common.cli_args import make_arg_parser
+    except ModuleNotFoundError as e:  # 0.32 (the CPU build's)
+        if e.name != "vllm.entrypoints.common.cli_args":
+            raise
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser
 
     build_app(make_arg_parser(FlexibleArgumentParser()).parse_args([]), ("generate",))
 
