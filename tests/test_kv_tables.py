@@ -102,6 +102,19 @@ def test_build_is_cancellable_and_reused(demo_model_dir, tmp_path, monkeypatch):
     assert Path(path).exists()
 
 
+def test_a_build_inside_another_default_device_gives_the_same_tables(demo_model_dir, tmp_path, monkeypatch):
+    """`glyd serve`'s first start builds the tables while vLLM constructs the model under `torch.device("cuda")`
+    (the engine stopped on "Expected all tensors to be on the same device" on an H100); "meta" stands for it here."""
+    monkeypatch.setenv("GLYD_HOME", str(tmp_path / "a"))
+    plain = ensure_tables(demo_model_dir, window=4096, tokens=512)
+    monkeypatch.setenv("GLYD_HOME", str(tmp_path / "b"))
+    with torch.device("meta"):
+        inside = ensure_tables(demo_model_dir, window=4096, tokens=512)
+    for bits in (3, 4):
+        assert inside.tops[bits].device.type == "cpu" and torch.equal(inside.tops[bits], plain.tops[bits])
+    assert inside.reserve == plain.reserve
+
+
 def test_tables_of_an_older_version_or_not_this_page_code_are_refused(tmp_path):
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file

@@ -175,7 +175,8 @@ def ensure_tables(model_dir: Path, window: int | None = None, progress: Progress
         if isolated.wanted():  # no CUDA context left in a process that starts vLLM next
             check_head_size(AttentionShape.from_model_dir(model_dir).head_size)  # refusals keep their kind
             tables = isolated.build_in_child(model_dir, fingerprint, window, tokens, progress, cancel)
-        else:
-            tables = build_tables(model_dir, window, tokens, progress=progress, cancel=cancel)
+        else:  # a plugin builds while vLLM constructs the model, whose default device is the GPU: the build's
+            with torch.device("cpu"):  # tensors say where they go, the rest is the CPU's
+                tables = build_tables(model_dir, window, tokens, progress=progress, cancel=cancel)
         tables.save(path)
         return tables
