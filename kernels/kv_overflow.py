@@ -305,7 +305,7 @@ class DeviceRuns:
         try:
             if limit is not None and target > limit:  # as much headroom as the limit leaves, if the write fits
                 if live + extra > limit:
-                    raise OverflowRoomError(f"a layer's overflow arena would need {2 * (live + extra) / 1e6:.1f} MB "
+                    raise OverflowRoomError(f"a layer's overflow arena would need {2 * (live + extra) / 1e6:.3g} MB "
                                             f"({live} entries in runs), past its limit of {2 * limit / 1e6:.3g} MB")
                 target = max(limit // OVERFLOW_MIN_RUN * OVERFLOW_MIN_RUN, live + extra)
             if -(-target // OVERFLOW_MIN_RUN) > MAX_UNITS:
