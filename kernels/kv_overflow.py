@@ -24,7 +24,7 @@ import weakref
 
 import torch
 
-from glyd_engine.format.kv_page import OVERFLOW_MIN_RUN, TILE, OverflowRoomError, OverflowStore
+from glyd_engine.format.kv_page import OVERFLOW_MIN_RUN, TILE, OverflowRoomError, OverflowStore, whole_runs
 
 HEADROOM_TOKENS = 256  # the arena keeps room for two writes of this many tokens in flight (decode steps of 256
 LIVE_HEADROOM = 32  # sequences, one ahead as with async scheduling) beyond this many times its live runs
@@ -67,7 +67,7 @@ def reserve_arena(num_heads: int, head_size: int, device: torch.device, limit: i
     (entries) smaller than the usual first arena is the first arena: the limit holds from the first write."""
     entries = fresh_entries(num_heads, head_size)
     if limit is not None:
-        entries = min(entries, max(OVERFLOW_MIN_RUN, limit // OVERFLOW_MIN_RUN * OVERFLOW_MIN_RUN))
+        entries = min(entries, max(OVERFLOW_MIN_RUN, whole_runs(limit)))
     return torch.zeros(entries, dtype=torch.int16, device=device)
 
 
@@ -307,7 +307,7 @@ class DeviceRuns:
                 if live + extra > limit:
                     raise OverflowRoomError(f"a layer's overflow arena would need {2 * (live + extra) / 1e6:.3g} MB "
                                             f"({live} entries in runs), past its limit of {2 * limit / 1e6:.3g} MB")
-                target = max(limit // OVERFLOW_MIN_RUN * OVERFLOW_MIN_RUN, live + extra)
+                target = max(whole_runs(limit), live + extra)
             if -(-target // OVERFLOW_MIN_RUN) > MAX_UNITS:
                 raise MemoryError(f"the Glyd overflow arena would pass {MAX_UNITS * OVERFLOW_MIN_RUN} entries "
                                   "(nearly every value of this cache an escape)")

@@ -279,6 +279,11 @@ class KVPageLayout:
 OVERFLOW_MIN_RUN = 8  # entries: the smallest overflow run; runs double as a tile's overflow grows
 
 
+def whole_runs(entries: int) -> int:
+    """The entries of an arena of at most `entries` that whole smallest runs fill (offsets count in runs)."""
+    return entries // OVERFLOW_MIN_RUN * OVERFLOW_MIN_RUN
+
+
 class OverflowRoomError(MemoryError):
     """A write's escapes found no room: the store's `limit` (or the device's memory) is reached. `slots` are the
     slots whose values were not stored (None: nothing of the write was); every other slot of the write is stored.
@@ -331,7 +336,7 @@ class OverflowStore:
         if arena.dtype != torch.int16 or arena.dim() != 1 or arena.device != self.ptr.device:
             raise ValueError(f"an overflow arena is int16 [entries] on {self.ptr.device}, not {arena.dtype} "
                              f"{tuple(arena.shape)} on {arena.device}")
-        self.arena = arena[: arena.numel() // OVERFLOW_MIN_RUN * OVERFLOW_MIN_RUN]
+        self.arena = arena[: whole_runs(arena.numel())]
 
     @staticmethod
     def unpack(ptr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
