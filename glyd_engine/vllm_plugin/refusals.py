@@ -16,6 +16,11 @@ rank reports before the collective that the output rank waits on), so the schedu
 the report. A freed block returns to vLLM's pool only in that update, so a step that reuses it starts after the
 release was written, and its worker applies the release before writing. Where no scheduler listens (the user named
 their own, or Ray), the write raises instead, naming the way out; the engine stops, and nothing wrong is ever served.
+
+vLLM's start-up (memory profile, compilation, CUDA-graph capture) writes dummy tokens before it makes the scheduler:
+a write of that warm-up that finds no room drops its values (no request holds them; every request writes its blocks
+from their first token), and a worker's first step after its scheduler listens gives back every run the warm-up took
+(`serving_began`), so that an arena limit is room for requests alone.
 """
 
 from __future__ import annotations
@@ -47,6 +52,8 @@ _worker_channel: list[Path | None] = [None]  # this process's attention layers' 
 _read: dict[str, int] = {}  # a channel file's path -> how far this process has read it
 _unstored: dict[int, set[int]] = {}  # check mode: a layer's (id of its state) blocks holding values not stored
 _logged: set[tuple[int, ...]] = set()  # blocks whose refusal this worker logged since its last step began
+_serving: list[Path | None] = [None]  # the channel whose scheduler this worker has seen listening (its first step)
+_warm_up_logged: list[Path | None] = [None]
 
 
 def name_channel() -> str:
@@ -112,6 +119,8 @@ def stop(channel: Path) -> None:
             _read.pop(str(channel / name), None)
         if _worker_channel[0] == channel:
             _unstored.clear()
+            _serving[0] = channel  # it did listen: from now on a write with no room raises
+            _logged.clear()
 
 
 def _append(path: Path, entry: dict) -> None:
@@ -149,6 +158,12 @@ def report(lost: torch.Tensor, block_size: int, why: str, layer: int | None = No
     message = (f"Glyd KV cache: {len(lost)} tokens' values in {len(blocks)} blocks found no room in the overflow "
                f"arena ({why}): their values are far rarer than the model's KV tables expect")
     channel = _worker_channel[0]
+    if channel is not None and channel != _serving[0] and not channel.is_dir():  # no scheduler yet: vLLM's warm-up
+        if _warm_up_logged[0] != channel:
+            _warm_up_logged[0] = channel
+            log.warning("Glyd KV cache: %d dummy tokens of vLLM's start-up found no room in the overflow arena (%s); "
+                        "no request holds their blocks, so their values are dropped", len(lost), why)
+        return
     if channel is None or not channel.is_dir():
         raise OverflowRoomError(f"{message}; {HINT}")
     if layer is not None:
@@ -163,6 +178,16 @@ def report(lost: torch.Tensor, block_size: int, why: str, layer: int | None = No
         _logged.add(tuple(blocks))
     if new:
         log.error("%s. The requests holding them are refused; %s", message, HINT)
+
+
+def serving_began() -> bool:
+    """True once a worker: at its first step after its engine's scheduler listens. Every page and overflow run it wrote
+    before then holds vLLM's warm-up tokens (the scheduler is made after the start-up's dummy runs)."""
+    channel = _worker_channel[0]
+    if channel is None or channel == _serving[0] or not channel.is_dir():
+        return False
+    _serving[0] = channel
+    return True
 
 
 def take(channel: Path) -> dict[tuple[int, int], str]:

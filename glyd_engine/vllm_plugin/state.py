@@ -190,8 +190,20 @@ def apply_releases() -> None:
     (refusals.py), given back before any of those blocks is reused."""
     from glyd_engine.vllm_plugin import refusals
 
+    if refusals.serving_began():
+        release_warm_up()
     for blocks, block_size in refusals.releases():
         release_overflow(blocks, block_size)
+
+
+def release_warm_up() -> None:
+    """The first step after the scheduler listens: every overflow run holds values of vLLM's start-up, which no
+    request reads (each writes its blocks from token 0), so all go back and the arena's room is the requests'."""
+    with torch.inference_mode():
+        for st in LAYERS.values():
+            held = (st.overflow.ptr >= 0).flatten(1).any(1).nonzero().view(-1)
+            if held.numel():
+                st.overflow.release(held)
 
 
 def release_overflow(blocks: set[int], block_size: int) -> None:

@@ -491,7 +491,7 @@ def _report_in_another_process(channel: str, layer_blocks: list[int], saw: Path)
     assert refusals.unstored_blocks(3) == {b // 16 for b in layer_blocks}  # the check's record stays in the worker
     released: list[list[int]] = []
     layout = SimpleNamespace(block_size=16, tiles=2)
-    store = SimpleNamespace(ptr=torch.zeros(1), release=lambda tiles: released.append(tiles.tolist()))
+    store = SimpleNamespace(ptr=torch.full((16, 1, 2), -1), release=lambda tiles: released.append(tiles.tolist()))
     state.LAYERS["w"] = SimpleNamespace(codec=SimpleNamespace(layout=layout), overflow=store)
     deadline = time.monotonic() + 60
     while not released and time.monotonic() < deadline:
@@ -511,8 +511,6 @@ def test_a_worker_in_another_process_reports_and_applies_the_releases(no_channel
         refusals.report(torch.tensor([33]), 16, "a test")
     name = refusals.name_channel()
     refusals.join(_engine_config())
-    with pytest.raises(OverflowRoomError):  # named, but no scheduler listens yet
-        refusals.report(torch.tensor([33]), 16, "a test")
     channel = refusals.listen(_engine_config())
     try:
         worker = multiprocessing.get_context("spawn").Process(target=_report_in_another_process,
@@ -535,6 +533,46 @@ def test_a_worker_in_another_process_reports_and_applies_the_releases(no_channel
     with pytest.raises(OverflowRoomError):  # its workers' writes raise from now on
         refusals.report(torch.tensor([33]), 16, "a test")
     refusals.release(channel, {2}, 16)  # after the shutdown: nothing to tell, no error
+
+
+def test_the_warm_up_drops_what_finds_no_room_and_its_runs_go_back_at_the_first_step(
+        no_channel: None, caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM writes dummy tokens while it profiles and captures graphs, before it makes the scheduler: a write that
+    finds no room then must not stop the engine's start (no request holds those blocks), and the runs the warm-up
+    took must not count against the requests' arena: the worker's first step after the scheduler listens gives
+    every one back. A report after that is a refusal; after the scheduler stops, the write raises."""
+    from glyd_engine.format.kv_page import OverflowRoomError, OverflowStore
+    from glyd_engine.vllm_plugin import refusals, state
+
+    refusals.name_channel()
+    refusals.join(_engine_config())
+    store = OverflowStore(8, 2, initial_entries=64)
+    store.reserve_entries(torch.tensor([0, 5]), torch.tensor([1, 0]), 1, torch.tensor([3, 20]))  # warm-up runs
+    assert store.runs_in_use == 2
+    layout = SimpleNamespace(block_size=16, tiles=1)
+    state.LAYERS["warm"] = SimpleNamespace(codec=SimpleNamespace(layout=layout), overflow=store)
+    try:
+        with caplog.at_level(logging.WARNING, logger="vllm.glyd"):
+            for _ in range(3):  # every layer of a dummy run
+                refusals.report(torch.tensor([0, 1]), 16, "a test")
+        assert [r.getMessage().count("dummy tokens of vLLM's start-up") for r in caplog.records] == [1]
+        state.apply_releases()  # a dummy run's step: nothing listens yet, the runs stay
+        assert store.runs_in_use == 2 and not refusals.serving_began()
+        channel = refusals.listen(_engine_config())
+        try:
+            state.apply_releases()  # the first step that serves
+            assert store.runs_in_use == 0 and sorted(store.free) == [8, 32]
+            store.reserve_entries(torch.tensor([2]), torch.tensor([0]), 0, torch.tensor([3]))
+            state.apply_releases()  # later steps give back only what the scheduler releases
+            assert store.runs_in_use == 1
+            refusals.report(torch.tensor([33]), 16, "a test")
+            assert refusals.take(channel) == {(2, 16): "a test"}
+        finally:
+            refusals.stop(channel)
+        with pytest.raises(OverflowRoomError):  # the scheduler has gone: nothing can refuse the write
+            refusals.report(torch.tensor([33]), 16, "a test")
+    finally:
+        del state.LAYERS["warm"]
 
 
 def test_the_check_forgets_a_block_written_again_from_its_first_token(no_channel: None) -> None:
