@@ -17,10 +17,10 @@ from glyd_engine.format.kv_page import TILE, KVPageCodec, KVPageLayout, Overflow
 
 class KVLayer:
     """Pages [num_blocks, H, page_bytes] uint8 (a view of vLLM's layer tensor), the layer's window tops [2, H, D], and
-    optionally the overflow store's first arena (int16)."""
+    optionally the overflow store's first arena (int16) and memory for its run pointers (int32; `OverflowStore`)."""
 
     def __init__(self, layout: KVPageLayout, tops: torch.Tensor, pages: torch.Tensor, impl: str = "cuda",
-                 arena: torch.Tensor | None = None) -> None:
+                 arena: torch.Tensor | None = None, pointers: torch.Tensor | None = None) -> None:
         if pages.dim() != 3 or pages.shape[2] != layout.page_bytes or tops.shape != (2, pages.shape[1],
                                                                                      layout.head_size):
             raise ValueError(f"pages must be uint8 [num_blocks, H, {layout.page_bytes}] and tops [2, H, "
@@ -29,7 +29,8 @@ class KVLayer:
             raise ValueError(f"impl must be cuda or torch, not {impl!r}")
         self.layout, self.pages, self.impl = layout, pages, impl
         self.tops = tops.to(pages.device).contiguous()
-        self.overflow = OverflowStore(pages.shape[0] * layout.tiles, pages.shape[1], device=pages.device)
+        self.overflow = OverflowStore(pages.shape[0] * layout.tiles, pages.shape[1], device=pages.device,
+                                      table=pointers)
         if arena is not None:  # the engine's, taken before vLLM profiled memory (kv_overflow.reserve_arena)
             self.overflow.adopt(arena)
         self.codec = KVPageCodec(layout, tops.cpu()) if impl == "torch" else None

@@ -71,6 +71,20 @@ def reserve_arena(num_heads: int, head_size: int, device: torch.device, limit: i
     return torch.zeros(entries, dtype=torch.int16, device=device)
 
 
+def pointer_entries_bound(kv_budget_bytes: int, layers: int, token_bytes: int) -> int:
+    """The most run pointers (int32) one layer can need when vLLM shares `kv_budget_bytes` among `layers` layers of
+    pages of `token_bytes` (C) a token and KV head: a block of B tokens and H heads takes B H C bytes a layer and
+    holds B/16 tiles x H heads x 2 (K, V) pointers, so the blocks a budget buys hold budget / (8 L C) pointers a
+    layer, whatever B and H."""
+    return -(-kv_budget_bytes // (8 * max(1, layers) * token_bytes))
+
+
+def reserve_pointers(entries: int, device: torch.device) -> torch.Tensor:
+    """Memory for a layer's run pointers, taken while vLLM loads the model (as `reserve_arena`): vLLM's memory
+    profile counts it, and the store takes its pointer table from it once vLLM has sized the cache."""
+    return torch.empty(entries, dtype=torch.int32, device=device)
+
+
 class ArenaFullError(RuntimeError):
     """A write ran without a check and found no room: the bound was wrong (a bug), and those tiles lost escapes."""
 

@@ -253,6 +253,48 @@ def test_a_store_writes_into_the_arena_it_adopted():
         codec.new_overflow(nb).adopt(torch.zeros(64, dtype=torch.int32))
 
 
+def test_a_store_keeps_its_run_pointers_in_the_memory_it_was_given():
+    """The engine's run-pointer memory, taken before vLLM profiled memory: the store's pointer table is its first
+    entries (the rest untouched), every run is there, and values read back bit for bit."""
+    from glyd_kernels.kv_layer import KVLayer
+
+    h, d, b = 2, 64, 16
+    x = all_patterns()[torch.randperm(65536, generator=torch.Generator().manual_seed(3))][:8192].reshape(-1, h, d)
+    n = x.shape[0]
+    lay = kv_page.KVPageLayout(d, b, 12)
+    nb = n // b + 3
+    need = nb * lay.tiles * h * 2
+    table = torch.full((need + 5,), 7, dtype=torch.int32)
+    kv = KVLayer(lay, tops_for(x[:50], x.flip(0)[:50]), torch.zeros(nb, h, lay.page_bytes, dtype=torch.uint8),
+                 impl="torch", pointers=table)
+    assert kv.overflow.ptr.data_ptr() == table.data_ptr() and kv.overflow.ptr.shape == (nb * lay.tiles, h, 2)
+    blocks = torch.randperm(nb, generator=torch.Generator().manual_seed(4))[: n // b]
+    kv.write(x, x.flip(0), slots_for(n, b, blocks))
+    assert kv.overflow.runs_in_use > 0 and int((table[:need] >= 0).sum()) == kv.overflow.runs_in_use
+    assert table[need:].tolist() == [7] * 5
+    k, v = kv.read(blocks)  # a tile a block: [blocks, H, 16, D] in slot order
+    assert same_bits(k.transpose(1, 2).reshape(n, h, d), x) and same_bits(v.transpose(1, 2).reshape(n, h, d), x.flip(0))
+    for bad in (torch.zeros(need, dtype=torch.int64), torch.zeros(need - 1, dtype=torch.int32)):
+        with pytest.raises(ValueError, match="overflow pointer table is int32"):
+            kv_page.OverflowStore(nb * lay.tiles, h, table=bad)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 1 << 40), st.integers(1, 96), st.sampled_from([16, 32, 64, 128, 256]), st.integers(1, 64),
+       st.sampled_from([(64, 3), (64, 4), (128, 3), (128, 4), (256, 4)]))
+def test_the_pointer_reserve_holds_the_pointers_of_every_block_a_budget_buys(budget, layers, block, heads, code):
+    """vLLM splits its KV budget into blocks of L layers' pages; each layer's pointer table must fit the reserve
+    taken before that split, and the reserve wastes less than one block's pointers."""
+    from glyd_kernels import kv_overflow
+
+    d, bits = code
+    c = token_bytes(d, page_reserve(d, 12, bits), bits)
+    blocks = budget // (layers * heads * block * c)
+    need = blocks * (block // 16) * heads * 2
+    bound = kv_overflow.pointer_entries_bound(budget, layers, c)
+    assert need <= bound < need + (block // 16) * heads * 2 + 1
+
+
 def test_an_arena_limit_below_the_first_arena_is_the_first_arena():
     """GLYD_KV_ARENA_MB under the usual first arena: the engine reserves the limit (whole runs, at least one), so
     the limit holds from the first write; a larger limit leaves the usual first arena."""

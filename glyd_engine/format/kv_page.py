@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 
 import torch
 
@@ -305,7 +305,9 @@ class OverflowStore:
     the block id). The arena grows when no free run fits: rare prompts cost memory outside the pages, never
     data. `grows` counts those events, `compactions` the CUDA writer's repacks (in place or into a larger arena).
     `limit` (entries; None: the device's memory) caps the arena: a write that would pass it stores nothing and
-    raises `OverflowRoomError` (the CPU writer), or leaves its short tiles unstored (the CUDA writer).
+    raises `OverflowRoomError` (the CPU writer), or leaves its short tiles unstored (the CUDA writer). `table`
+    (int32, on `device`, at least `num_tiles * num_heads * 2` entries) is memory for `ptr`: the engine's, taken before
+    vLLM profiled memory, so that its KV budget counts it.
     """
 
     num_tiles: int
@@ -320,9 +322,20 @@ class OverflowStore:
     compactions: int = 0
     values_written: int = 0
     device_runs: object = field(default=None, init=False, repr=False, compare=False)  # the CUDA writer's allocation
+    table: InitVar[torch.Tensor | None] = None
 
-    def __post_init__(self) -> None:
-        self.ptr = torch.full((self.num_tiles, self.num_heads, 2), -1, dtype=torch.int32, device=self.device)
+    def __post_init__(self, table: torch.Tensor | None) -> None:
+        shape = (self.num_tiles, self.num_heads, 2)
+        if table is None:
+            self.ptr = torch.full(shape, -1, dtype=torch.int32, device=self.device)
+        else:
+            n = self.num_tiles * self.num_heads * 2
+            want = torch.device(self.device)
+            if table.dtype != torch.int32 or table.dim() != 1 or table.numel() < n or \
+                    table.device.type != want.type or want.index not in (None, table.device.index):
+                raise ValueError(f"an overflow pointer table is int32 [>= {n}] on {self.device}, not {table.dtype} "
+                                 f"{tuple(table.shape)} on {table.device}")
+            self.ptr = table[:n].view(shape).fill_(-1)
         n = -(-self.initial_entries // OVERFLOW_MIN_RUN) * OVERFLOW_MIN_RUN
         self.arena = torch.zeros(n, dtype=torch.int16, device=self.device)
         self.free = {}

@@ -13,6 +13,7 @@ with the torch reference of the kernels, which is how the tests run its wiring i
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -171,6 +172,24 @@ class GlydGPUMetadataBuilder(AttentionMetadataBuilder[GlydGPUMetadata]):
                 st.codec.stats.values += self._values_a_token * actual
 
 
+def pointer_reserve(vllm_config: Any, token_bytes: int, device: torch.device) -> torch.Tensor | None:
+    """A layer's run-pointer memory for the most blocks vLLM's KV budget can buy: that budget is at most the GPU's
+    memory times gpu_memory_utilization (or kv_cache_memory_bytes where given), shared by the model's layers. None
+    where either is unknown: the store then takes its table when the cache is bound, outside the budget (0.5 bytes a
+    token and KV head beside a page's C)."""
+    from glyd_kernels import kv_overflow
+
+    try:
+        cc = vllm_config.cache_config
+        budget = cc.kv_cache_memory_bytes or math.ceil(torch.cuda.mem_get_info(device)[1] * cc.gpu_memory_utilization)
+        layers = vllm_config.model_config.get_num_layers(vllm_config.parallel_config)
+    except Exception as exc:  # a vLLM without these: the old place, outside the budget
+        state.log.info("Glyd KV cache: run pointers taken with the cache (vLLM's KV budget unknown: %s)", exc)
+        return None
+    return kv_overflow.reserve_pointers(kv_overflow.pointer_entries_bound(int(budget), int(layers), token_bytes),
+                                        device)
+
+
 def faithful_builder(kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device) -> Any:
     """vLLM's FlashAttention metadata builder for these layers, or None where FlashAttention cannot run (the CPU
     build, GPUs it does not support, the reference kernels): prefill then takes torch SDPA on decoded tiles."""
@@ -229,16 +248,17 @@ class GlydGPUAttentionImpl(AttentionImpl):
         self.arena_limit = settings.arena_limit_entries(cfg)
         self._fa_impl: Any = None
         self._arena: torch.Tensor | None = None
+        self._pointers: torch.Tensor | None = None
         if self.impl == "cuda":
             from glyd_kernels import kv_overflow
 
-            # taken now, while vLLM loads the model: its memory profile then counts the arena in what the KV cache
-            # may not use, so cache and arena together stay inside gpu_memory_utilization
+            # taken now, while vLLM loads the model: its memory profile then counts the arena and the run pointers in
+            # what the KV cache may not use, so cache and overflow together stay inside gpu_memory_utilization
             if kv_sharing_target_layer_name is None:
-                self._arena = kv_overflow.reserve_arena(self.num_kv_heads, head_size,
-                                                        torch.device("cuda", torch.cuda.current_device()),
-                                                        self.arena_limit)
-                state.note_arena_reserve(self._arena)
+                device = torch.device("cuda", torch.cuda.current_device())
+                self._arena = kv_overflow.reserve_arena(self.num_kv_heads, head_size, device, self.arena_limit)
+                self._pointers = pointer_reserve(cfg, self.tables.token_bytes(self.code_bits), device)
+                state.note_arena_reserve(self._arena, self._pointers)
             try:
                 from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
 
@@ -262,7 +282,13 @@ class GlydGPUAttentionImpl(AttentionImpl):
         arena = old.overflow.arena if old is not None and self._arena is None else self._arena
         state.log_arena_reserve()
         self._arena = None
-        kv = KVLayer(codec.layout, codec.tops, pages, impl=self.impl, arena=arena if self.impl == "cuda" else None)
+        pointers = self._pointers  # every cache bound takes its pointer table from the start's reserve
+        if pointers is not None and pointers.numel() < nb * codec.layout.tiles * self.num_kv_heads * 2:
+            state.log.warning("Glyd KV cache: vLLM gave %s %d blocks, more than its KV budget was bounded to buy; "
+                              "their run pointers are taken outside the budget", layer.layer_name, nb)
+            pointers = None
+        kv = KVLayer(codec.layout, codec.tops, pages, impl=self.impl, arena=arena if self.impl == "cuda" else None,
+                     pointers=pointers)
         if self.arena_limit is not None:  # the first arena is at most the limit (rounded to whole runs, >= one run)
             kv.overflow.limit = max(self.arena_limit, kv.overflow.arena.numel())
         codec = kv.codec or codec  # the reference path's codec is the one that writes (and counts)

@@ -131,11 +131,13 @@ class Stats:
 
 
 STATS = Stats()
-ARENA_RESERVE = {"bytes": 0, "layers": 0, "logged": False}  # overflow arenas taken before vLLM's memory profile
+ARENA_RESERVE = {"bytes": 0, "pointer_bytes": 0, "layers": 0, "logged": False}  # taken before vLLM's memory profile
 
 
-def note_arena_reserve(arena: torch.Tensor) -> None:
+def note_arena_reserve(arena: torch.Tensor, pointers: torch.Tensor | None = None) -> None:
     ARENA_RESERVE["bytes"] += arena.numel() * arena.element_size()
+    if pointers is not None:
+        ARENA_RESERVE["pointer_bytes"] += pointers.numel() * pointers.element_size()
     ARENA_RESERVE["layers"] += 1
 
 
@@ -143,8 +145,9 @@ def log_arena_reserve() -> None:
     """Once a process, when the first cache is bound: what the overflow arenas took inside vLLM's budget."""
     if ARENA_RESERVE["layers"] and not ARENA_RESERVE["logged"]:
         ARENA_RESERVE["logged"] = True
-        log.info("Glyd KV cache: the overflow arenas of %d layers take %.1f MB, held before vLLM profiled memory, "
-                 "so its KV budget counts them", ARENA_RESERVE["layers"], ARENA_RESERVE["bytes"] / 1e6)
+        log.info("Glyd KV cache: the overflow arenas of %d layers take %.1f MB (their run pointers at most %.1f MB "
+                 "more), held before vLLM profiled memory, so its KV budget counts them", ARENA_RESERVE["layers"],
+                 ARENA_RESERVE["bytes"] / 1e6, ARENA_RESERVE["pointer_bytes"] / 1e6)
 COMPARE = {"paused": False}  # check mode: compares can pause (speed runs); the shadow is always written
 
 

@@ -697,3 +697,23 @@ def test_the_process_that_named_a_channel_takes_it_when_it_exits() -> None:
     assert out.returncode == 0, out.stderr
     name = out.stdout.strip().splitlines()[-1]
     assert name.startswith(str(Path(tempfile.gettempdir()) / "glyd-refusals-")) and not Path(name).exists()
+
+
+def test_the_run_pointer_reserve_follows_the_engines_kv_budget(caplog: pytest.LogCaptureFixture) -> None:
+    """What a GPU layer takes for its run pointers before vLLM's memory profile: the pointers of every block the
+    budget can buy at this many layers; where the budget cannot be known, nothing (the table comes with the cache)."""
+    pytest.importorskip("vllm")
+    from glyd_engine.vllm_plugin.gpu_backend import pointer_reserve
+    from glyd_kernels import kv_overflow
+
+    def config(budget: int | None, layers: int) -> SimpleNamespace:
+        return SimpleNamespace(cache_config=SimpleNamespace(kv_cache_memory_bytes=budget, gpu_memory_utilization=0.9),
+                               model_config=SimpleNamespace(get_num_layers=lambda pc: layers), parallel_config=None)
+
+    got = pointer_reserve(config(1 << 30, 30), 200, torch.device("cpu"))
+    assert got is not None and got.dtype == torch.int32
+    assert got.numel() == kv_overflow.pointer_entries_bound(1 << 30, 30, 200) == -(-(1 << 30) // (8 * 30 * 200))
+    if not torch.cuda.is_available():  # the budget is a share of a GPU's memory that this machine lacks
+        with caplog.at_level(logging.INFO, logger="vllm.glyd"):
+            assert pointer_reserve(config(None, 30), 200, torch.device("cpu")) is None
+        assert "run pointers taken with the cache" in caplog.text
