@@ -244,9 +244,10 @@ def test_decode_steps_wait_for_the_device_only_when_the_arena_fills() -> None:
 
 
 def test_decode_steps_write_into_the_arena_reserved_before_the_cache() -> None:
-    """The engine's first arena (taken before vLLM profiles memory) takes decode steps' runs where it is: a layer that
-    adopted it writes its first step's overflow there without a compaction, later steps move it only as the live
-    runs ask (arena_target), and every value reads back."""
+    """The engine's first arena and run-pointer memory (taken before vLLM profiles memory) take decode steps' runs
+    where they are: a layer that adopted them writes its first step's overflow there without a compaction and its
+    pointers into the reserve's first entries (the rest untouched), later steps move the arena only as the live runs
+    ask (arena_target), and every value reads back."""
     from glyd_kernels import kv_overflow
     from glyd_kernels.kv_layer import KVLayer
 
@@ -256,8 +257,12 @@ def test_decode_steps_write_into_the_arena_reserved_before_the_cache() -> None:
     lay = kp.KVPageLayout(d, block, 4, 3)  # a short list: some tiles overflow
     nb = seqs * math.ceil(steps / block)
     arena = kv_overflow.reserve_arena(h, d, torch.device(DEV))
+    need = nb * lay.tiles * h * 2
+    pointers = kv_overflow.reserve_pointers(need + 64, torch.device(DEV))
+    pointers[need:] = 7
     layer = KVLayer(lay, tops_for(k0, v0, 3), torch.zeros(nb, h, lay.page_bytes, dtype=torch.uint8, device=DEV),
-                    arena=arena)
+                    arena=arena, pointers=pointers)
+    assert layer.overflow.ptr.data_ptr() == pointers.data_ptr()
     ks, vs, slots = [], [], decode_steps(seqs, steps, block, torch.randperm(nb, generator=g))
     for i, sl in enumerate(slots):
         k, v = model_like(seqs, h, d, g)
@@ -269,6 +274,7 @@ def test_decode_steps_write_into_the_arena_reserved_before_the_cache() -> None:
             assert layer.overflow.arena.data_ptr() == arena.data_ptr() and layer.overflow.grows == 0
             assert int(kv_overflow.device_runs(layer.overflow, d).counters[0]) > 0  # runs taken in it
     check_tokens(layer.pages, lay, layer.tops, layer.overflow, torch.cat(slots), torch.cat(ks), torch.cat(vs))
+    assert pointers[need:].tolist() == [7] * 64 and int((pointers[:need] >= 0).sum()) == layer.overflow.runs_in_use > 0
 
 
 def check_tokens(cache, lay, tops, ovf, slots, k, v) -> None:
