@@ -17,10 +17,11 @@ the report. A freed block returns to vLLM's pool only in that update, so a step 
 release was written, and its worker applies the release before writing. Where no scheduler listens (the user named
 their own, or Ray), the write raises instead, naming the way out; the engine stops, and nothing wrong is ever served.
 
-vLLM's start-up (memory profile, compilation, CUDA-graph capture) writes dummy tokens before it makes the scheduler:
-a write of that warm-up that finds no room drops its values (no request holds them; every request writes its blocks
-from their first token), and a worker's first step after its scheduler listens gives back every run the warm-up took
-(`serving_began`), so that an arena limit is room for requests alone.
+vLLM's start-up runs (memory profile, compilation, CUDA-graph capture) come before it makes the scheduler, their
+dummy slots padding (-1, which the writers skip). Should such a write store values and find no room all the same, it
+drops them (no request holds them; every request writes its blocks from their first token), and a worker's first
+step after its scheduler listens gives back every run taken before (`serving_began`): an arena limit is room for
+requests alone.
 """
 
 from __future__ import annotations
