@@ -25,6 +25,7 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
+from glyd_engine.errors import RefusedError
 from glyd_engine.format.kv_page import write_by_block
 from glyd_engine.vllm_plugin import refusals, settings, state
 from glyd_engine.vllm_plugin.backend_base import GlydBackendBase
@@ -55,6 +56,9 @@ class GlydAttentionImpl(CPUAttentionBackendImpl):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        if self.kv_sharing_target_layer_name is not None and not GlydAttentionBackend.supports_kv_sharing():
+            raise RefusedError(f"Glyd KV cache: a layer reads {self.kv_sharing_target_layer_name}'s KV (KV sharing), "
+                               "which the pages do not support", settings.OFF_HINT)
         cfg = get_current_vllm_config()  # the selector chose this backend from settings.decide(cfg)
         refusals.join(cfg)
         self.check = settings.check_enabled(cfg)

@@ -81,6 +81,8 @@ def _model_refusals(b: type[PageFacts], model: Any) -> list[str]:
     hf = getattr(model, "hf_text_config", None)
     if _has_sliding_window(hf) and not b.supports_sliding_window():
         why.append("the model has sliding-window attention layers")
+    if getattr(hf, "num_kv_shared_layers", None) and not b.supports_kv_sharing():
+        why.append("the model's layers share KV (num_kv_shared_layers)")
     if getattr(hf, "attention_chunk_size", None) and not b.supports_chunked_local_attention():
         why.append("the model has chunked local attention layers")
     try:
@@ -128,12 +130,16 @@ def layer_refusal(backend: type[PageFacts], sel: Any) -> str | None:
 
 def impl_refusal(backend: type[PageFacts], num_heads: int, num_kv_heads: int | None, attn_type: str,
                  **features: Any) -> str | None:
-    """Why an attention layer's impl arguments (alibi_slopes, sliding_window, logits_soft_cap, sinks) are beyond
-    `backend`: the last check, where the layer is built; None if it can run them."""
+    """Why an attention layer's impl arguments (alibi_slopes, sliding_window, logits_soft_cap, sinks,
+    kv_sharing_target_layer_name) are beyond `backend`: the last check, where the layer is built; None if it can run
+    them."""
     b = backend
     supported = {"alibi_slopes": b.supports_alibi(), "sliding_window": b.supports_sliding_window(),
-                 "logits_soft_cap": b.supports_logits_soft_cap(), "sinks": b.supports_sink()}
-    beyond = [name.replace("_", " ") for name, value in features.items() if value and not supported.get(name, False)]
+                 "logits_soft_cap": b.supports_logits_soft_cap(), "sinks": b.supports_sink(),
+                 "kv_sharing_target_layer_name": b.supports_kv_sharing()}
+    names = {"kv_sharing_target_layer_name": "KV shared with another layer"}
+    beyond = [names.get(name, name.replace("_", " ")) for name, value in features.items()
+              if value and not supported.get(name, False)]
     if not b.supports_attn_type(attn_type):
         beyond.append(f"{attn_type} attention")
     if beyond:

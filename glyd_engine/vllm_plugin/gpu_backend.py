@@ -179,10 +179,18 @@ def pointer_reserve(vllm_config: Any, token_bytes: int, device: torch.device) ->
     token and KV head beside a page's C)."""
     from glyd_kernels import kv_overflow
 
+    mc, pc = vllm_config.model_config, vllm_config.parallel_config
+    if getattr(mc, "enable_sleep_mode", False):  # a level-2 sleep frees what the model's load took, unsaved
+        state.log.info("Glyd KV cache: run pointers taken with the cache, outside vLLM's budget (sleep mode is on)")
+        return None
     try:
         cc = vllm_config.cache_config
-        budget = cc.kv_cache_memory_bytes or math.ceil(torch.cuda.mem_get_info(device)[1] * cc.gpu_memory_utilization)
-        layers = vllm_config.model_config.get_num_layers(vllm_config.parallel_config)
+        budget = getattr(cc, "kv_cache_memory_bytes", None) or \
+            math.ceil(torch.cuda.mem_get_info(device)[1] * cc.gpu_memory_utilization)
+        try:
+            layers = mc.get_num_layers_by_block_type(pc, "attention")
+        except Exception:  # a model config without layer types
+            layers = mc.get_num_layers(pc)
     except Exception as exc:  # a vLLM without these: the old place, outside the budget
         state.log.info("Glyd KV cache: run pointers taken with the cache (vLLM's KV budget unknown: %s)", exc)
         return None
@@ -231,7 +239,8 @@ class GlydGPUAttentionImpl(AttentionImpl):
                  attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name: str | None = None,
                  **kwargs: Any) -> None:
         why = impl_refusal(GlydGPUAttentionBackend, num_heads, num_kv_heads, attn_type, alibi_slopes=alibi_slopes,
-                           sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=kwargs.get("sinks"))
+                           sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=kwargs.get("sinks"),
+                           kv_sharing_target_layer_name=kv_sharing_target_layer_name)
         if why is not None:
             raise RefusedError(f"Glyd KV cache: the GPU attention does not support {why}", settings.OFF_HINT)
         self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
@@ -286,7 +295,7 @@ class GlydGPUAttentionImpl(AttentionImpl):
         if pointers is not None and pointers.numel() < nb * codec.layout.tiles * self.num_kv_heads * 2:
             state.log.warning("Glyd KV cache: vLLM gave %s %d blocks, more than its KV budget was bounded to buy; "
                               "their run pointers are taken outside the budget", layer.layer_name, nb)
-            pointers = None
+            pointers = self._pointers = None  # the reserve goes back to the allocator
         kv = KVLayer(codec.layout, codec.tops, pages, impl=self.impl, arena=arena if self.impl == "cuda" else None,
                      pointers=pointers)
         if self.arena_limit is not None:  # the first arena is at most the limit (rounded to whole runs, >= one run)

@@ -120,6 +120,10 @@ class PageFacts:
         return False  # offload copies raw pages and cannot see the overflow arena
 
     @classmethod
+    def supports_kv_sharing(cls) -> bool:
+        return False  # a layer reading another layer's pages would decode them with its own tables and no overflow
+
+    @classmethod
     def supports_chunked_local_attention(cls) -> bool:
         return False
 

@@ -18,10 +18,10 @@ release was written, and its worker applies the release before writing. Where no
 their own, or Ray), the write raises instead, naming the way out; the engine stops, and nothing wrong is ever served.
 
 vLLM's start-up runs (memory profile, compilation, CUDA-graph capture) come before it makes the scheduler, their
-dummy slots padding (-1, which the writers skip). Should such a write store values and find no room all the same, it
-drops them (no request holds them; every request writes its blocks from their first token), and a worker's first
-step after its scheduler listens gives back every run taken before (`serving_began`): an arena limit is room for
-requests alone.
+dummy slots padding (-1, which the writers skip). Should such a write store values in vLLM's null block (block 0,
+which no request is ever given) and find no room all the same, it drops them; any other block's values that find no
+room before a scheduler listens raise, as where none ever will. A worker's first step after its scheduler listens
+gives back every run taken before (`serving_began`): an arena limit is room for requests alone.
 """
 
 from __future__ import annotations
@@ -159,7 +159,8 @@ def report(lost: torch.Tensor, block_size: int, why: str, layer: int | None = No
     message = (f"Glyd KV cache: {len(lost)} tokens' values in {len(blocks)} blocks found no room in the overflow "
                f"arena ({why}): their values are far rarer than the model's KV tables expect")
     channel = _worker_channel[0]
-    if channel is not None and channel != _serving[0] and not channel.is_dir():  # no scheduler yet: vLLM's warm-up
+    # vLLM's null block (0), which no request is ever given, written before any scheduler listens: a start-up run
+    if blocks == [0] and channel is not None and channel != _serving[0] and not channel.is_dir():
         if _warm_up_logged[0] != channel:
             _warm_up_logged[0] = channel
             log.warning("Glyd KV cache: %d dummy tokens of vLLM's start-up found no room in the overflow arena (%s); "

@@ -61,6 +61,8 @@ ENGINE = [
      "sliding-window"),
     ("supports_chunked_local_attention", lambda c: setattr(c.model_config.hf_text_config, "attention_chunk_size", 8),
      "chunked local"),
+    ("supports_kv_sharing", lambda c: setattr(c.model_config.hf_text_config, "num_kv_shared_layers", 10),
+     "share KV"),
     ("supports_head_size", lambda c: setattr(c.model_config, "get_head_size", lambda: 96), "head size 96"),
 ]
 
@@ -122,6 +124,9 @@ def test_the_backends_declare_what_differs() -> None:
     assert capabilities.impl_refusal(gpu, 8, 2, AttentionType.DECODER, alibi_slopes=[1.0]) == "alibi slopes"
     assert capabilities.impl_refusal(gpu, 32, 2, AttentionType.DECODER) == "16 query heads a KV head (it takes 1-8)"
     assert capabilities.impl_refusal(gpu, 8, 2, AttentionType.ENCODER) == f"{AttentionType.ENCODER} attention"
+    for b in BACKENDS:  # a layer reading another's pages would decode them with its own tables and no overflow
+        assert capabilities.impl_refusal(b, 8, 2, AttentionType.DECODER, kv_sharing_target_layer_name="layers.3") == \
+            "KV shared with another layer"
     for b in BACKENDS:
         assert b.supports_head_size(64) and b.supports_head_size(128) and not b.supports_head_size(80)
         assert b.supports_block_size(128) and not b.supports_block_size(8)

@@ -511,6 +511,8 @@ def test_a_worker_in_another_process_reports_and_applies_the_releases(no_channel
         refusals.report(torch.tensor([33]), 16, "a test")
     name = refusals.name_channel()
     refusals.join(_engine_config())
+    with pytest.raises(OverflowRoomError):  # named, nothing listens yet: only vLLM's null block is a start-up's
+        refusals.report(torch.tensor([33]), 16, "a test")
     channel = refusals.listen(_engine_config())
     try:
         worker = multiprocessing.get_context("spawn").Process(target=_report_in_another_process,
@@ -553,9 +555,11 @@ def test_the_warm_up_drops_what_finds_no_room_and_its_runs_go_back_at_the_first_
     state.LAYERS["warm"] = SimpleNamespace(codec=SimpleNamespace(layout=layout), overflow=store)
     try:
         with caplog.at_level(logging.WARNING, logger="vllm.glyd"):
-            for _ in range(3):  # every layer of a dummy run
+            for _ in range(3):  # every layer of a dummy run, into vLLM's null block
                 refusals.report(torch.tensor([0, 1]), 16, "a test")
         assert [r.getMessage().count("dummy tokens of vLLM's start-up") for r in caplog.records] == [1]
+        with pytest.raises(OverflowRoomError):  # a block a request may hold: not a start-up's, nothing listens yet
+            refusals.report(torch.tensor([1, 16]), 16, "a test")
         state.apply_releases()  # a dummy run's step: nothing listens yet, the runs stay
         assert store.runs_in_use == 2 and not refusals.serving_began()
         channel = refusals.listen(_engine_config())
@@ -706,13 +710,20 @@ def test_the_run_pointer_reserve_follows_the_engines_kv_budget(caplog: pytest.Lo
     from glyd_engine.vllm_plugin.gpu_backend import pointer_reserve
     from glyd_kernels import kv_overflow
 
-    def config(budget: int | None, layers: int) -> SimpleNamespace:
+    def config(budget: int | None, layers: int, sleep: bool = False) -> SimpleNamespace:
+        def attention_layers(pc: object, kind: str) -> int:
+            assert kind == "attention"
+            return layers
+
         return SimpleNamespace(cache_config=SimpleNamespace(kv_cache_memory_bytes=budget, gpu_memory_utilization=0.9),
-                               model_config=SimpleNamespace(get_num_layers=lambda pc: layers), parallel_config=None)
+                               model_config=SimpleNamespace(get_num_layers_by_block_type=attention_layers,
+                                                            enable_sleep_mode=sleep), parallel_config=None)
 
     got = pointer_reserve(config(1 << 30, 30), 200, torch.device("cpu"))
     assert got is not None and got.dtype == torch.int32
     assert got.numel() == kv_overflow.pointer_entries_bound(1 << 30, 30, 200) == -(-(1 << 30) // (8 * 30 * 200))
+    # a level-2 sleep frees what the model's load took without saving it: the pointers stay with the cache
+    assert pointer_reserve(config(1 << 30, 30, sleep=True), 200, torch.device("cpu")) is None
     if not torch.cuda.is_available():  # the budget is a share of a GPU's memory that this machine lacks
         with caplog.at_level(logging.INFO, logger="vllm.glyd"):
             assert pointer_reserve(config(None, 30), 200, torch.device("cpu")) is None
