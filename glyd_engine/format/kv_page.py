@@ -329,7 +329,7 @@ class OverflowStore:
         if table is None:
             self.ptr = torch.full(shape, -1, dtype=torch.int32, device=self.device)
         else:
-            n = self.num_tiles * self.num_heads * 2
+            n = self.pointer_entries(self.num_tiles, self.num_heads)
             want = torch.device(self.device)
             if table.dtype != torch.int32 or table.dim() != 1 or table.numel() < n or \
                     table.device.type != want.type or want.index not in (None, table.device.index):
@@ -340,6 +340,11 @@ class OverflowStore:
         self.arena = torch.zeros(n, dtype=torch.int16, device=self.device)
         self.free = {}
         self._top = 0
+
+    @staticmethod
+    def pointer_entries(num_tiles: int, num_heads: int) -> int:
+        """The int32 entries of `ptr`: one a tile, head and K/V."""
+        return num_tiles * num_heads * 2
 
     def adopt(self, arena: torch.Tensor) -> None:
         """Take `arena` (int16, on this store's device, contents unused) as the arena of a store with no runs yet:

@@ -29,6 +29,7 @@ from vllm.v1.attention.backend import (
 )
 
 from glyd_engine.errors import RefusedError
+from glyd_engine.format.kv_page import OverflowStore
 from glyd_engine.vllm_plugin import refusals, settings, state
 from glyd_engine.vllm_plugin.backend_base import GlydBackendBase
 from glyd_engine.vllm_plugin.capabilities import impl_refusal
@@ -263,11 +264,10 @@ class GlydGPUAttentionImpl(AttentionImpl):
 
             # taken now, while vLLM loads the model: its memory profile then counts the arena and the run pointers in
             # what the KV cache may not use, so cache and overflow together stay inside gpu_memory_utilization
-            if kv_sharing_target_layer_name is None:
-                device = torch.device("cuda", torch.cuda.current_device())
-                self._arena = kv_overflow.reserve_arena(self.num_kv_heads, head_size, device, self.arena_limit)
-                self._pointers = pointer_reserve(cfg, self.tables.token_bytes(self.code_bits), device)
-                state.note_arena_reserve(self._arena, self._pointers)
+            device = torch.device("cuda", torch.cuda.current_device())
+            self._arena = kv_overflow.reserve_arena(self.num_kv_heads, head_size, device, self.arena_limit)
+            self._pointers = pointer_reserve(cfg, self.tables.token_bytes(self.code_bits), device)
+            state.note_arena_reserve(self._arena, self._pointers)
             try:
                 from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
 
@@ -292,7 +292,8 @@ class GlydGPUAttentionImpl(AttentionImpl):
         state.log_arena_reserve()
         self._arena = None
         pointers = self._pointers  # every cache bound takes its pointer table from the start's reserve
-        if pointers is not None and pointers.numel() < nb * codec.layout.tiles * self.num_kv_heads * 2:
+        if pointers is not None and \
+                pointers.numel() < OverflowStore.pointer_entries(nb * codec.layout.tiles, pages.shape[1]):
             state.log.warning("Glyd KV cache: vLLM gave %s %d blocks, more than its KV budget was bounded to buy; "
                               "their run pointers are taken outside the budget", layer.layer_name, nb)
             pointers = self._pointers = None  # the reserve goes back to the allocator

@@ -539,10 +539,11 @@ def test_a_worker_in_another_process_reports_and_applies_the_releases(no_channel
 
 def test_the_warm_up_drops_what_finds_no_room_and_its_runs_go_back_at_the_first_step(
         no_channel: None, caplog: pytest.LogCaptureFixture) -> None:
-    """vLLM writes dummy tokens while it profiles and captures graphs, before it makes the scheduler: a write that
-    finds no room then must not stop the engine's start (no request holds those blocks), and the runs the warm-up
-    took must not count against the requests' arena: the worker's first step after the scheduler listens gives
-    every one back. A report after that is a refusal; after the scheduler stops, the write raises."""
+    """vLLM runs dummy steps (profile, graph capture) before it makes the scheduler, their slots padding; should one
+    store values in its null block (0) and find no room, the engine's start must not stop (no request is given that
+    block), and runs taken before serving must not count against the requests' arena: the worker's first step after
+    the scheduler listens gives every one back. Other blocks raise before then; a report after that is a refusal;
+    after the scheduler stops, the write raises."""
     from glyd_engine.format.kv_page import OverflowRoomError, OverflowStore
     from glyd_engine.vllm_plugin import refusals, state
 
